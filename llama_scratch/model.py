@@ -202,5 +202,5 @@ class Llama(nn.Module):
 
 def _init_weights(module: nn.Module) -> None:
     """Small normal weights (std 0.02), as for pretraining from scratch; pretrained weights overwrite them."""
-    if isinstance(module, (nn.Linear, nn.Embedding)):
+    if isinstance(module, (nn.Linear, nn.Embedding)) and not module.weight.is_meta:
         nn.init.normal_(module.weight, mean=0.0, std=0.02)
