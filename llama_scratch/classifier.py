@@ -1,0 +1,67 @@
+"""A Llama backbone with a classification head: the vector of each text's last real token predicts its class."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from .model import Llama
+
+
+def last_real_token(hidden: torch.Tensor, attention_mask: torch.Tensor | None) -> torch.Tensor:
+    """[B, T, dim] -> [B, dim]: the vector at each row's last real position, whichever side the padding is on.
+
+    In a causal model only the last token has read the whole text, so it is the one that can summarise it.
+    """
+    if attention_mask is None:
+        return hidden[:, -1]
+    positions = torch.arange(hidden.shape[1], device=hidden.device)
+    last = (attention_mask.to(hidden.device).long() * positions).argmax(-1)  # largest position whose mask is 1
+    return hidden[torch.arange(hidden.shape[0], device=hidden.device), last]
+
+
+class LlamaClassifier(nn.Module):
+    """`Llama` + `head`, a linear map from the model width to `num_classes` scores.
+
+    Build it after the backbone's weights are loaded: the head is created on the backbone's device and in its
+    dtype (a float32 head on a bfloat16 backbone fails at the first matmul). `train_last=k` trains the head, the
+    final norm and the last k blocks; `None` trains everything. The language-model output projection is never
+    used here, so it is always frozen.
+    """
+
+    def __init__(self, backbone: Llama, num_classes: int = 2, train_last: int | None = 1):
+        super().__init__()
+        if num_classes < 2:
+            raise ValueError(f"num_classes must be at least 2, got {num_classes}")
+        self.backbone = backbone
+        like = backbone.final_norm.weight
+        self.head = nn.Linear(backbone.cfg.dim, num_classes, bias=False, dtype=like.dtype, device=like.device)
+        if not like.is_meta:
+            nn.init.normal_(self.head.weight, std=0.02)
+        self.train_last = train_last
+        self.set_trainable(train_last)
+
+    def set_trainable(self, train_last: int | None) -> None:
+        """Freeze everything, then unfreeze the head, the final norm and the last `train_last` blocks (None: all)."""
+        n_layers = len(self.backbone.blocks)
+        if train_last is not None and not 0 <= train_last <= n_layers:
+            raise ValueError(f"train_last must be between 0 and {n_layers} (the number of blocks), got {train_last}")
+        everything = train_last is None
+        self.requires_grad_(everything)
+        if not everything:
+            for block in self.backbone.blocks[n_layers - train_last :]:
+                block.requires_grad_(True)
+            self.backbone.final_norm.requires_grad_(True)
+            self.head.requires_grad_(True)
+        if not self.backbone.cfg.tie_embeddings:
+            self.backbone.lm_head.requires_grad_(False)
+        self.train_last = train_last
+
+    def trainable_parameters(self) -> dict[str, nn.Parameter]:
+        """Name -> parameter for everything that trains: what the optimizer steps and the checkpoint saves."""
+        return {name: p for name, p in self.named_parameters() if p.requires_grad}
+
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
+        """[B, T] token ids and 1/0 mask -> [B, num_classes] class scores (logits)."""
+        hidden = self.backbone.hidden_states(input_ids, attention_mask)
+        return self.head(last_real_token(hidden, attention_mask))
