@@ -3,5 +3,6 @@
 from .classifier import LlamaClassifier
 from .config import LlamaConfig
 from .model import Llama
+from .tokenizer import Tokenizer
 
-__all__ = ["LlamaConfig", "Llama", "LlamaClassifier"]
+__all__ = ["LlamaConfig", "Llama", "LlamaClassifier", "Tokenizer"]
