@@ -1,0 +1,94 @@
+"""Several processes, one model replica each: what torchrun sets up and what the training loop needs from it.
+
+`torchrun --nproc_per_node N` starts N copies of the same command with RANK, LOCAL_RANK and WORLD_SIZE set.
+Each copy trains on its own shard of every batch; DistributedDataParallel averages the gradients, so all
+replicas take the same step. A single process (WORLD_SIZE unset) runs the same code with world size 1.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
+
+
+@dataclass(frozen=True)
+class Dist:
+    rank: int = 0
+    local_rank: int = 0
+    world_size: int = 1
+
+    @property
+    def enabled(self) -> bool:
+        return self.world_size > 1
+
+    @property
+    def is_main(self) -> bool:
+        """Rank 0 alone prints, draws progress bars and writes files."""
+        return self.rank == 0
+
+
+def setup(device: str | None = None) -> tuple[Dist, torch.device]:
+    """Join the process group when started by torchrun, and choose this process's device.
+
+    GPUs: one per process (cuda:LOCAL_RANK) and the nccl backend. CPU: the gloo backend.
+    """
+    env = Dist(
+        rank=int(os.environ.get("RANK", 0)),
+        local_rank=int(os.environ.get("LOCAL_RANK", 0)),
+        world_size=int(os.environ.get("WORLD_SIZE", 1)),
+    )
+    if device is None or device == "auto":
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    dev = torch.device(device)
+    if dev.type == "cuda":
+        if env.enabled or dev.index is None:
+            dev = torch.device("cuda", env.local_rank if env.enabled else torch.cuda.current_device())
+        torch.cuda.set_device(dev)
+    if env.enabled and not dist.is_initialized():
+        backend = "nccl" if dev.type == "cuda" else "gloo"
+        dist.init_process_group(backend, device_id=dev if dev.type == "cuda" else None)
+    return env, dev
+
+
+def teardown() -> None:
+    """Leave the process group (no barrier: after an error the other ranks may never arrive)."""
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def wrap(model: nn.Module, env: Dist, device: torch.device) -> nn.Module:
+    """DistributedDataParallel when there are several processes; the model itself otherwise."""
+    if not env.enabled:
+        return model
+    return DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None)
+
+
+def unwrap(model: nn.Module) -> nn.Module:
+    return model.module if isinstance(model, DistributedDataParallel) else model
+
+
+def all_sum(values: torch.Tensor) -> torch.Tensor:
+    """Element-wise sum over all processes (identity in a single process)."""
+    if dist.is_initialized():
+        values = values.clone()
+        dist.all_reduce(values, op=dist.ReduceOp.SUM)
+    return values
+
+
+def barrier() -> None:
+    if dist.is_initialized():
+        dist.barrier()
+
+
+def broadcast_object(obj):
+    """Rank 0's value of a picklable object, on every rank (e.g. a path decided on rank 0)."""
+    if not dist.is_initialized():
+        return obj
+    box = [obj]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]

@@ -1,0 +1,343 @@
+"""The training loop: AdamW on the trainable parameters, warm-up then decay, evaluation each epoch, and
+checkpoints that let an interrupted run continue to exactly the weights an uninterrupted run would reach.
+
+One optimizer step = `grad_accum` micro-batches of `batch_size` rows on each of `world_size` processes.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import os
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.data import DistributedSampler
+from tqdm.auto import tqdm
+
+from . import distributed
+from .data import collate
+from .distributed import Dist
+
+
+@dataclass
+class TrainSettings:
+    epochs: int = 3
+    max_steps: int | None = None  # stop after this many optimizer steps (the schedule is shortened to match)
+    batch_size: int = 8  # rows per process per micro-batch
+    grad_accum: int = 1
+    lr: float = 5e-5
+    weight_decay: float = 0.1
+    warmup: float = 0.1  # fraction of the steps spent ramping the learning rate up from zero
+    schedule: str = "cosine"  # cosine | linear | constant (after the warm-up)
+    clip_grad: float = 1.0  # max gradient norm; 0 disables clipping
+    seed: int = 123
+    save_every: int = 50  # optimizer steps between resume checkpoints (also at every epoch end and on Ctrl-C)
+    eval_batch_size: int | None = None  # None: 2 x batch_size
+    padding_side: str = "right"
+
+
+@dataclass
+class Split:
+    """A tokenized split: token-id lists and class ids."""
+
+    ids: list[list[int]]
+    labels: list[int]
+
+
+@dataclass
+class TrainState:
+    """Everything needed to continue a run, besides the weights and the optimizer."""
+
+    epoch: int = 0  # the epoch in progress
+    batches_done: int = 0  # micro-batches of that epoch already consumed (always a whole optimizer step)
+    step: int = 0  # optimizer steps taken in total
+    best_val_accuracy: float = -1.0
+    best_epoch: int = -1
+    history: list[dict] = field(default_factory=list)
+    train_seconds: float = 0.0
+    train_tokens: int = 0
+
+
+class TrainingDiverged(RuntimeError):
+    pass
+
+
+# ---------------------------------------------------------------------------------------------- batches
+
+
+def epoch_batches(n: int, epoch: int, s: TrainSettings, env: Dist) -> list[list[int]]:
+    """This process's micro-batches for one epoch, as row indices, in a fixed order given (seed, epoch).
+
+    The order comes from `DistributedSampler`: with one process it is the whole shuffled list, with N processes
+    each takes every N-th row of the same list. So batch k on one process with batch size 8 holds exactly the rows
+    of batch k on two processes with batch size 4, and the two runs take the same steps. The last, incomplete
+    batch is dropped so every step has the same size on every process.
+    """
+    sampler = DistributedSampler(range(n), num_replicas=env.world_size, rank=env.rank, shuffle=True, seed=s.seed)
+    sampler.set_epoch(epoch)
+    order = list(sampler)
+    usable = len(order) // (s.batch_size * s.grad_accum) * s.batch_size * s.grad_accum
+    return [order[i : i + s.batch_size] for i in range(0, usable, s.batch_size)]
+
+
+def to_batch(split: Split, rows: list[int], pad_id: int, side: str, device: torch.device) -> dict[str, torch.Tensor]:
+    batch = collate([(split.ids[i], split.labels[i]) for i in rows], pad_id, side)
+    return {k: v.to(device, non_blocking=True) for k, v in batch.items()}
+
+
+def check_enough_data(n_train: int, s: TrainSettings, env: Dist) -> int:
+    """Optimizer steps per epoch; a clear error when the data cannot give every process a full step."""
+    per_step = s.batch_size * s.grad_accum * env.world_size
+    if n_train < per_step:
+        raise ValueError(
+            f"the training split has {n_train} rows, fewer than one step needs ({s.batch_size} rows x "
+            f"{s.grad_accum} accumulation x {env.world_size} processes = {per_step}); lower --batch-size, "
+            "--grad-accum or the number of processes"
+        )
+    return n_train // per_step
+
+
+# ---------------------------------------------------------------------------------------------- optimizer
+
+
+def make_optimizer(model: nn.Module, s: TrainSettings) -> torch.optim.AdamW:
+    """AdamW over trainable parameters only (frozen ones get no state). Norm gains are not weight-decayed."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    decay = [p for p in params if p.ndim >= 2]
+    no_decay = [p for p in params if p.ndim < 2]
+    groups = [{"params": decay, "weight_decay": s.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+    return torch.optim.AdamW(groups, lr=s.lr, betas=(0.9, 0.95), eps=1e-8)
+
+
+def lr_factor(step: int, total: int, s: TrainSettings) -> float:
+    """Multiplier of the peak learning rate at `step`: linear warm-up, then cosine or linear decay to 10%."""
+    warmup = int(s.warmup * total)
+    if step < warmup:
+        return (step + 1) / warmup
+    if s.schedule == "constant":
+        return 1.0
+    progress = (step - warmup) / max(1, total - warmup)
+    decay = 0.5 * (1 + math.cos(math.pi * progress)) if s.schedule == "cosine" else 1 - progress
+    return 0.1 + 0.9 * decay
+
+
+# ---------------------------------------------------------------------------------------------- evaluation
+
+
+@torch.inference_mode()
+def evaluate(
+    model: nn.Module, split: Split, num_classes: int, pad_id: int, s: TrainSettings, env: Dist, device, desc: str
+) -> dict:
+    """Loss, accuracy and confusion matrix over a whole split, shared out across processes.
+
+    Each process takes every N-th row (no padding rows, unlike `DistributedSampler`), so summing the counts
+    over processes counts every row exactly once. Rows are sorted by length so batches carry little padding.
+    """
+    model = distributed.unwrap(model)
+    was_training = model.training
+    model.eval()
+    rows = sorted(range(len(split.ids)), key=lambda i: len(split.ids[i]))[env.rank :: env.world_size]
+    size = s.eval_batch_size or 2 * s.batch_size
+    loss_sum = torch.zeros((), dtype=torch.float64, device=device)
+    confusion = torch.zeros(num_classes, num_classes, dtype=torch.float64, device=device)  # [true, predicted]
+    for start in tqdm(range(0, len(rows), size), desc, leave=False, disable=not env.is_main):
+        batch = to_batch(split, rows[start : start + size], pad_id, s.padding_side, device)
+        logits = model(batch["input_ids"], batch["attention_mask"]).float()
+        loss_sum += F.cross_entropy(logits, batch["labels"], reduction="sum").double()
+        flat = batch["labels"] * num_classes + logits.argmax(-1)
+        confusion += torch.bincount(flat, minlength=num_classes**2).view(num_classes, num_classes).double()
+    totals = distributed.all_sum(torch.cat([loss_sum.view(1), confusion.flatten()]))
+    model.train(was_training)
+    confusion = totals[1:].view(num_classes, num_classes).cpu()
+    n = confusion.sum().item()
+    return {
+        "loss": totals[0].item() / max(n, 1),
+        "accuracy": confusion.diag().sum().item() / max(n, 1),
+        "confusion": confusion.long().tolist(),
+        "count": int(n),
+    }
+
+
+def per_class(confusion: list[list[int]], label_names: list[str]) -> dict[str, dict]:
+    """Precision, recall and F1 of each class from a [true, predicted] confusion matrix."""
+    c = torch.tensor(confusion, dtype=torch.float64)
+    out = {}
+    for k, name in enumerate(label_names):
+        tp, predicted, actual = c[k, k].item(), c[:, k].sum().item(), c[k].sum().item()
+        p = tp / predicted if predicted else 0.0
+        r = tp / actual if actual else 0.0
+        out[name] = {"precision": p, "recall": r, "f1": 2 * p * r / (p + r) if p + r else 0.0, "support": int(actual)}
+    return out
+
+
+# ---------------------------------------------------------------------------------------------- checkpoints
+
+
+def trainable_state(model: nn.Module) -> dict[str, torch.Tensor]:
+    """The trained parameters only, detached (the frozen backbone is reloaded from its own checkpoint)."""
+    return {name: p.detach() for name, p in distributed.unwrap(model).named_parameters() if p.requires_grad}
+
+
+def atomic_torch_save(obj, path: Path) -> None:
+    """Write to a temporary name, then rename: a crash mid-write leaves the previous file intact."""
+    tmp = path.with_name(path.name + ".tmp")
+    torch.save(obj, tmp)
+    os.replace(tmp, path)
+
+
+def save_resume_point(path: Path, model, optimizer, scheduler, state: TrainState, settings: TrainSettings) -> None:
+    atomic_torch_save(
+        {
+            "trainable": {k: v.cpu() for k, v in trainable_state(model).items()},
+            "optimizer": optimizer.state_dict(),
+            "scheduler": scheduler.state_dict(),
+            "state": asdict(state),
+            "settings": asdict(settings),
+            "rng": torch.get_rng_state(),
+        },
+        path,
+    )
+
+
+def load_resume_point(path: Path, model, optimizer, scheduler, settings: TrainSettings) -> TrainState:
+    saved = torch.load(path, map_location="cpu", weights_only=False)
+    changed = {k: (v, getattr(settings, k)) for k, v in saved["settings"].items() if getattr(settings, k) != v}
+    changed.pop("save_every", None)
+    if changed:
+        detail = ", ".join(f"{k}: saved {a!r}, now {b!r}" for k, (a, b) in changed.items())
+        raise ValueError(f"{path} was written with other settings ({detail}); resume with the same settings")
+    params = dict(distributed.unwrap(model).named_parameters())
+    with torch.no_grad():
+        for name, value in saved["trainable"].items():
+            params[name].copy_(value)
+    optimizer.load_state_dict(saved["optimizer"])
+    scheduler.load_state_dict(saved["scheduler"])
+    torch.set_rng_state(saved["rng"])
+    return TrainState(**saved["state"])
+
+
+# ---------------------------------------------------------------------------------------------- the loop
+
+
+def train(
+    model: nn.Module,
+    splits: dict[str, Split],
+    num_classes: int,
+    pad_id: int,
+    s: TrainSettings,
+    env: Dist,
+    device: torch.device,
+    out_dir: Path,
+    resume: bool = False,
+    on_best=None,
+    log=print,
+) -> TrainState:
+    """Train `model` (a classifier, maybe wrapped in DDP) on splits['train'], evaluating on 'train' and 'val'
+    after each epoch. `on_best(epoch)` is called on rank 0 when validation accuracy improves (save weights there).
+    """
+    steps_per_epoch = check_enough_data(len(splits["train"].ids), s, env)
+    total = steps_per_epoch * s.epochs if s.max_steps is None else min(s.max_steps, steps_per_epoch * s.epochs)
+    optimizer = make_optimizer(model, s)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: lr_factor(step, total, s))
+    resume_path = out_dir / "checkpoint.pt"
+    state = TrainState()
+    if resume and resume_path.exists():
+        state = load_resume_point(resume_path, model, optimizer, scheduler, s)
+        log(f"resuming from {resume_path}: epoch {state.epoch + 1}, step {state.step}")
+    elif resume:
+        log(f"--resume: no checkpoint at {resume_path}; starting from the beginning")
+
+    def save_point() -> None:
+        if env.is_main:
+            save_resume_point(resume_path, model, optimizer, scheduler, state, s)
+
+    model.train()
+    try:
+        while state.epoch < s.epochs and state.step < total:
+            batches = epoch_batches(len(splits["train"].ids), state.epoch, s, env)
+            bar = tqdm(
+                total=len(batches) // s.grad_accum,
+                initial=state.batches_done // s.grad_accum,
+                desc=f"epoch {state.epoch + 1}/{s.epochs}",
+                disable=not env.is_main,
+            )
+            started = time.perf_counter()
+            running = torch.zeros(3, dtype=torch.float64, device=device)  # loss sum, correct, rows this session
+            for k in range(state.batches_done, len(batches), s.grad_accum):
+                loss = 0.0
+                for j, rows in enumerate(batches[k : k + s.grad_accum]):
+                    batch = to_batch(splits["train"], rows, pad_id, s.padding_side, device)
+                    last = j == s.grad_accum - 1
+                    # Under DDP, gradients are averaged across processes only on the last micro-batch of a step.
+                    sync = contextlib.nullcontext() if last or not env.enabled else model.no_sync()
+                    with sync:
+                        logits = model(batch["input_ids"], batch["attention_mask"])
+                        micro = F.cross_entropy(logits.float(), batch["labels"]) / s.grad_accum
+                        micro.backward()
+                    loss += micro.item()
+                    running += torch.stack(
+                        [
+                            micro.detach().double() * s.grad_accum * len(rows),
+                            (logits.argmax(-1) == batch["labels"]).sum(),
+                            torch.tensor(len(rows), device=device),
+                        ]
+                    ).to(running)
+                    state.train_tokens += int(batch["attention_mask"].sum()) * env.world_size
+                params = [p for p in model.parameters() if p.requires_grad]
+                norm = nn.utils.clip_grad_norm_(params, s.clip_grad if s.clip_grad > 0 else float("inf"))
+                if not (math.isfinite(loss) and torch.isfinite(norm)):
+                    raise TrainingDiverged(
+                        f"the loss became {loss} (gradient norm {norm.item()}) at step {state.step + 1}, epoch "
+                        f"{state.epoch + 1}; try a lower --lr. The last good resume point is {resume_path}."
+                    )
+                optimizer.step()
+                scheduler.step()
+                optimizer.zero_grad(set_to_none=True)
+                state.step += 1
+                state.batches_done = k + s.grad_accum
+                bar.update(1)
+                bar.set_postfix(loss=f"{loss:.4f}", lr=f"{scheduler.get_last_lr()[0]:.2e}")
+                if state.step % s.save_every == 0:
+                    save_point()
+                if state.step >= total:
+                    break
+            bar.close()
+            state.train_seconds += time.perf_counter() - started
+            finished_epoch = state.batches_done >= len(batches)
+            # Train figures are running ones, from the batches as they were trained (a full pass costs as much as
+            # the epoch); validation is a full evaluation.
+            loss_sum, correct, rows_seen = distributed.all_sum(running).tolist()
+            val = evaluate(model, splits["val"], num_classes, pad_id, s, env, device, "evaluating val")
+            row = {
+                "epoch": state.epoch + 1,
+                "step": state.step,
+                "train_loss": loss_sum / max(rows_seen, 1),
+                "train_accuracy": correct / max(rows_seen, 1),
+                "val_loss": val["loss"],
+                "val_accuracy": val["accuracy"],
+            }
+            state.history.append(row)
+            log(
+                f"epoch {row['epoch']}: step {row['step']}, train loss {row['train_loss']:.4f} acc "
+                f"{row['train_accuracy']:.2%}, val loss {row['val_loss']:.4f} acc {row['val_accuracy']:.2%}"
+            )
+            if row["val_accuracy"] > state.best_val_accuracy:
+                state.best_val_accuracy, state.best_epoch = row["val_accuracy"], row["epoch"]
+                if env.is_main and on_best is not None:
+                    on_best(row["epoch"])
+            if finished_epoch:
+                state.epoch, state.batches_done = state.epoch + 1, 0
+            save_point()
+            if not finished_epoch:
+                break  # max_steps reached inside the epoch
+    except KeyboardInterrupt:
+        # Gradients of an unfinished step are discarded: the saved point is the last whole step.
+        save_point()
+        log(f"\ninterrupted: progress saved to {resume_path}; continue with --resume")
+        raise
+    return state

@@ -1,0 +1,268 @@
+import json
+from importlib import resources
+
+import pytest
+import torch
+
+from llama_scratch.data import (
+    DataError,
+    DataWarning,
+    LabelledTexts,
+    collate,
+    default_max_length,
+    encode_texts,
+    load_dataset,
+    load_sms_spam,
+    make_loader,
+    shared_texts,
+    split_dataset,
+)
+
+
+class ByteTokenizer:
+    """Stands in for `Tokenizer`: one token per UTF-8 byte, BOS = 256."""
+
+    pad_id = 0
+
+    def encode(self, text, bos=True, eos=False):
+        return [256] * bos + list(text.encode("utf-8")) + [257] * eos
+
+
+def write(tmp_path, name, content):
+    path = tmp_path / name
+    path.write_bytes(content if isinstance(content, bytes) else content.encode("utf-8"))
+    return path
+
+
+@pytest.fixture(scope="module")
+def sms():
+    return load_sms_spam()
+
+
+# ---------------------------------------------------------------------------------------------- SMS
+
+
+def test_sms_spam_is_read_exactly(sms):
+    assert len(sms) == 5574 and sms.class_counts() == {"ham": 4827, "spam": 747}
+    assert sms.label_names == ["ham", "spam"] and sms.skipped == [] and sms.source == "sms_spam"
+    raw = resources.files("llama_scratch").joinpath("data/sms_spam.tsv").read_bytes().decode("utf-8")
+    lines = raw.split("\n")
+    assert lines[-1] == "" and len(lines) == 5575
+    rebuilt = [f"{sms.label_names[y]}\t{t}" for y, t in zip(sms.labels, sms.texts, strict=True)]
+    assert rebuilt == lines[:-1] and sms.rows == list(range(1, 5575))
+
+
+def test_sms_leading_quotes_and_c1_characters_are_kept(sms):
+    assert sum(t.startswith('"') for t in sms.texts) == 54
+    assert sms.texts[282].startswith('"Wen u miss someone, the person is definitely special')
+    assert sum(any("\x91" <= c <= "\x97" for c in t) for t in sms.texts) == 35
+    assert sms.texts[18] == "Fine if that\x92s the way u feel. That\x92s the way its gota b"
+
+
+def test_sms_by_name_and_as_a_file_agree(sms):
+    assert load_dataset("sms_spam").texts == sms.texts
+    as_file = load_dataset(resources.files("llama_scratch").joinpath("data/sms_spam.tsv"))  # headerless TSV
+    assert as_file.texts == sms.texts and as_file.labels == sms.labels
+
+
+# ---------------------------------------------------------------------------------------------- splits
+
+
+def test_book_split_sizes_disjoint_balanced_deterministic(sms):
+    parts = split_dataset(sms, "book", seed=123)
+    assert [len(parts[k]) for k in ("train", "val", "test")] == [1045, 149, 300]
+    rows = [set(parts[k].rows) for k in ("train", "val", "test")]
+    assert not (rows[0] & rows[1] or rows[0] & rows[2] or rows[1] & rows[2])
+    total = sum((torch.bincount(torch.tensor(p.labels), minlength=2) for p in parts.values()), torch.zeros(2))
+    assert total.tolist() == [747, 747]  # every spam kept, ham undersampled to match
+    assert split_dataset(sms, "book", seed=123)["test"].rows == parts["test"].rows
+    assert split_dataset(sms, "book", seed=7)["test"].rows != parts["test"].rows
+
+
+def test_dedup_split_keeps_duplicates_on_one_side(sms):
+    book = split_dataset(sms, "book")
+    assert shared_texts(book["train"], book["test"]) > 0  # why "dedup" exists
+    dedup = split_dataset(sms, "dedup")
+    assert [len(dedup[k]) for k in ("train", "val", "test")] == [898, 128, 258]
+    assert shared_texts(dedup["train"], dedup["test"]) == 0
+    assert shared_texts(dedup["train"], dedup["val"]) == shared_texts(dedup["val"], dedup["test"]) == 0
+    assert not {t.casefold() for t in dedup["train"].texts} & {t.casefold() for t in dedup["test"].texts}
+
+
+def test_stratified_and_full_keep_every_row(sms):
+    for protocol in ("stratified", "full"):
+        parts = split_dataset(sms, protocol)
+        assert [len(parts[k]) for k in ("train", "val", "test")] == [3901, 557, 1116]
+        assert sorted(r for p in parts.values() for r in p.rows) == sms.rows
+    strat = split_dataset(sms, "stratified")
+    assert [strat[k].class_counts()["spam"] for k in ("train", "val", "test")] == [523, 74, 150]
+    assert strat["train"].labels[:50] != sorted(strat["train"].labels[:50])  # classes are mixed, not blocks
+
+
+def test_split_errors():
+    tiny = LabelledTexts(["a", "b", "c", "d"], [0, 1, 0, 1], ["x", "y"], "tiny")
+    with pytest.raises(DataError, match="tiny"):
+        split_dataset(tiny, "full")
+    with pytest.raises(ValueError, match="stratified"):
+        split_dataset(tiny, "random")
+
+
+# ---------------------------------------------------------------------------------------------- user files
+
+
+def test_csv_with_header_quotes_bom_and_crlf(tmp_path):
+    body = 'id,Text,label\r\n1,"hello, world",pos\r\n2,"two\r\nlines",neg\r\n3,"say ""hi""",pos\r\n\r\n'
+    data = load_dataset(write(tmp_path, "d.csv", b"\xef\xbb\xbf" + body.encode()))
+    assert data.texts == ["hello, world", "two\r\nlines", 'say "hi"']
+    assert data.labels == [1, 0, 1] and data.label_names == ["neg", "pos"] and data.rows == [2, 3, 5]
+
+
+def test_csv_named_columns(tmp_path):
+    path = write(tmp_path, "d.csv", "body,kind,note\nfoo,a,x\nbar,b,y\n")
+    with pytest.raises(DataError, match="--text-column"):
+        load_dataset(path)
+    data = load_dataset(path, text_column="body", label_column="kind")
+    assert data.texts == ["foo", "bar"] and data.label_names == ["a", "b"]
+    with pytest.raises(DataError, match="'missing'"):
+        load_dataset(path, text_column="missing", label_column="kind")
+
+
+def test_headerless_tsv_finds_the_label_column(tmp_path):
+    rows = [f"message number {i}\t{'spam' if i % 3 else 'ham'}" for i in range(12)]
+    data = load_dataset(write(tmp_path, "d.tsv", "\n".join(rows) + "\n"))
+    assert len(data) == 12 and data.texts[0] == "message number 0" and data.label_names == ["ham", "spam"]
+    flipped = load_dataset(write(tmp_path, "e.tsv", "".join(f'{"ab"[i % 2]}\t"quoted {i}\n' for i in range(8))))
+    assert flipped.texts[:2] == ['"quoted 0', '"quoted 1'] and flipped.label_names == ["a", "b"]
+
+
+def test_ambiguous_headerless_file_asks_for_columns(tmp_path):
+    path = write(tmp_path, "d.csv", "a,x\nb,y\na,y\nb,x\n")
+    with pytest.raises(DataError, match="--text-column") as err:
+        load_dataset(path)
+    assert "d.csv" in str(err.value)
+    data = load_dataset(path, text_column="0", label_column="1")
+    assert data.texts == ["a", "b", "a", "b"] and data.label_names == ["x", "y"]
+
+
+def test_jsonl_keys_and_bad_lines(tmp_path):
+    lines = [
+        json.dumps({"text": "good one", "label": "pos"}),
+        "{not json",
+        json.dumps(["a", "list"]),
+        json.dumps({"text": "no label"}),
+        json.dumps({"text": 5, "label": "pos"}),
+        json.dumps({"text": "bad", "label": 0.5}),
+        json.dumps({"text": "second", "label": "neg"}),
+    ]
+    with pytest.warns(DataWarning, match="line 2: malformed JSON") as record:
+        data = load_dataset(write(tmp_path, "d.jsonl", "\r\n".join(lines)))
+    assert data.texts == ["good one", "second"] and data.rows == [1, 7]
+    assert [b.line for b in data.skipped] == [2, 3, 4, 5, 6]
+    assert "line 4: missing label" in str(record[0].message)
+    assert load_dataset(
+        write(tmp_path, "c.jsonl", '{"Text": "a", "Label": 1}\n{"Text": "b", "Label": 0}\n')
+    ).labels == [1, 0]
+    custom = write(tmp_path, "e.jsonl", '{"q": "x", "y": 1}\n{"q": "z", "y": 0}\n')
+    assert load_dataset(custom, text_column="q", label_column="y").labels == [1, 0]
+
+
+def test_integer_and_string_labels_sort_naturally(tmp_path):
+    ints = load_dataset(write(tmp_path, "i.jsonl", "".join(f'{{"text": "t{n}", "label": {n}}}\n' for n in (10, 2, 1))))
+    assert ints.label_names == ["1", "2", "10"] and ints.labels == [2, 1, 0]
+    csv_ints = load_dataset(write(tmp_path, "i.csv", "text,label\na,2\nb,10\nc,02\n"))
+    assert csv_ints.label_names == ["2", "10"] and csv_ints.labels == [0, 1, 0]
+    strings = load_dataset(write(tmp_path, "s.csv", "text,label\na,zeta\nb,alpha\nc,Beta\n"))
+    assert strings.label_names == ["Beta", "alpha", "zeta"] and strings.labels == [2, 1, 0]
+
+
+def test_multi_class_book_split_balances_every_class(tmp_path):
+    rows = "".join(f"text {i},{c}\n" for i, c in enumerate(["a"] * 40 + ["b"] * 25 + ["c"] * 10))
+    data = load_dataset(write(tmp_path, "m.csv", "sentence,category\n" + rows))
+    assert data.num_classes == 3 and data.class_counts() == {"a": 40, "b": 25, "c": 10}
+    parts = split_dataset(data, "book")
+    assert [len(parts[k]) for k in ("train", "val", "test")] == [21, 3, 6]
+    assert sorted(y for p in parts.values() for y in p.labels) == [0] * 10 + [1] * 10 + [2] * 10
+
+
+def test_bad_rows_are_reported_with_line_numbers(tmp_path):
+    body = "text,label\nfine,a\n  ,a\nno label,\nthree,b,extra\nalso fine,b\n"
+    with pytest.warns(DataWarning) as record:
+        data = load_dataset(write(tmp_path, "d.csv", body))
+    assert data.texts == ["fine", "also fine"]
+    assert [(b.line, b.reason) for b in data.skipped] == [
+        (3, "empty text"),
+        (4, "missing label"),
+        (5, "expected 2 columns, found 3"),
+    ]
+    message = str(record[0].message)
+    assert "d.csv" in message and "line 3: empty text" in message and "line 5" in message
+
+
+def test_undecodable_bytes_skip_only_their_row(tmp_path):
+    path = write(tmp_path, "d.tsv", b"text\tlabel\ncaf\xe9\tham\nok\tham\nfine \xc2\xa3\tspam\n")
+    with pytest.warns(DataWarning, match="line 2: undecodable bytes.*UTF-8"):
+        data = load_dataset(path)
+    assert data.texts == ["ok", "fine \u00a3"] and data.rows == [3, 4]
+
+
+def test_unusable_files_name_the_file(tmp_path):
+    with pytest.raises(DataError, match="nope.csv"):
+        load_dataset(tmp_path / "nope.csv")
+    with pytest.raises(DataError, match="empty.csv"):
+        load_dataset(write(tmp_path, "empty.csv", ""))
+    with pytest.raises(DataError, match="header.csv: no usable rows"):
+        load_dataset(write(tmp_path, "header.csv", "text,label\n"))
+    with pytest.raises(DataError, match="allbad.jsonl: no usable rows.*line 1: malformed"):
+        load_dataset(write(tmp_path, "allbad.jsonl", "{\n[\n"))
+    with pytest.raises(DataError, match=r"one.csv: only one class \('a'\)"):
+        load_dataset(write(tmp_path, "one.csv", "text,label\nx,a\ny,a\n"))
+    with pytest.raises(DataError, match="d.xlsx: unsupported"):
+        load_dataset(write(tmp_path, "d.xlsx", "x"))
+
+
+# ---------------------------------------------------------------------------------------------- batching
+
+
+def test_encode_texts_adds_bos_and_truncates_the_end():
+    ids, truncated = encode_texts(["ab", "abcdef"], ByteTokenizer(), max_length=4)
+    assert ids == [[256, 97, 98], [256, 97, 98, 99]] and truncated == 1
+    full, none = encode_texts(["ab", "abcdef"], ByteTokenizer())
+    assert none == 0 and default_max_length(full, 512) == 7 and default_max_length(full, 5) == 5
+
+
+@pytest.mark.parametrize("side", ["right", "left"])
+def test_collate_pads_to_the_batch_longest(side):
+    batch = collate([([5, 6, 7], 1), ([8], 0)], pad_id=0, padding_side=side)
+    assert batch["input_ids"].dtype == batch["attention_mask"].dtype == batch["labels"].dtype == torch.long
+    if side == "right":
+        assert batch["input_ids"].tolist() == [[5, 6, 7], [8, 0, 0]]
+        assert batch["attention_mask"].tolist() == [[1, 1, 1], [1, 0, 0]]
+    else:
+        assert batch["input_ids"].tolist() == [[5, 6, 7], [0, 0, 8]]
+        assert batch["attention_mask"].tolist() == [[1, 1, 1], [0, 0, 1]]
+    assert batch["labels"].tolist() == [1, 0]
+    with pytest.raises(ValueError, match="padding_side"):
+        collate([([1], 0)], pad_id=0, padding_side="middle")
+
+
+def test_loader_order_is_seeded_and_matches_ddp_replicas():
+    encoded = [[256] + [1] * (i % 7) for i in range(32)]
+    labels = [i % 2 for i in range(32)]
+
+    def epoch(loader, n):
+        loader.sampler.set_epoch(n)
+        return [b["input_ids"].shape[1] for b in loader], [b["labels"] for b in loader]
+
+    single = make_loader(encoded, labels, batch_size=8, shuffle=True, seed=3, pad_id=0)
+    widths, batches = epoch(single, 0)
+    assert widths == [max(1 + (i % 7) for i in idx) for idx in torch.tensor(list(single.sampler)).view(4, 8).tolist()]
+    before = torch.get_rng_state()
+    assert epoch(make_loader(encoded, labels, 8, True, 3, 0), 0)[0] == widths  # same seed, same order
+    assert torch.equal(torch.get_rng_state(), before)  # iterating leaves the global RNG alone
+    first = list(single.sampler)
+    single.sampler.set_epoch(1)
+    assert list(single.sampler) != first  # each epoch has its own order
+    single.sampler.set_epoch(0)
+    replicas = [make_loader(encoded, labels, 4, True, 3, 0, num_replicas=2, rank=r) for r in (0, 1)]
+    union = [sorted(list(a) + list(b)) for a, b in zip(*(r.batch_sampler for r in replicas), strict=True)]
+    assert union == [sorted(b) for b in single.batch_sampler]
