@@ -1,0 +1,320 @@
+"""Fine-tune a Llama checkpoint as a text classifier: `python -m llama_scratch.finetune_classifier --help`.
+
+Same command on one CPU, one GPU, or several GPUs under `torchrun --nproc_per_node N` (DDP).
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import dataclasses
+import io
+import json
+import os
+import signal
+import sys
+import time
+import warnings
+from pathlib import Path
+
+import torch
+
+from . import distributed
+from .classifier import LlamaClassifier
+from .config import PRESETS, LlamaConfig, parse_dtype
+from .data import DataError, DataWarning, default_max_length, default_protocol, encode_texts, load_dataset
+from .data import split_dataset as make_splits
+from .model import Llama
+from .tokenizer import Tokenizer
+from .train import Split, TrainingDiverged, TrainSettings, evaluate, per_class, train
+from .weights import CheckpointError, load_model, save_weights
+
+WEIGHTS_DIR = Path("weights")
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(
+        prog="python -m llama_scratch.finetune_classifier",
+        description="Fine-tune a Llama-3 checkpoint as a text classifier.",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    p.add_argument("--model", help="preset name, checkpoint directory or Hugging Face repo id; default: the best "
+                   "checkpoint in weights/, else the 'tiny' preset trained from scratch")  # fmt: skip
+    p.add_argument("--data", default="sms_spam", help="'sms_spam' (bundled) or a .csv/.tsv/.jsonl file")
+    p.add_argument("--text-column", help="column (or JSON key) holding the text")
+    p.add_argument("--label-column", help="column (or JSON key) holding the label")
+    p.add_argument("--split", help="book | dedup | stratified | full (default: book for sms_spam, else stratified)")
+    p.add_argument("--output", type=Path, help="output directory (default: runs/MODEL-DATA)")
+    p.add_argument("--epochs", type=int, default=3)
+    p.add_argument("--max-steps", type=int, help="stop after this many optimizer steps")
+    p.add_argument("--batch-size", type=int, default=8, help="rows per process per micro-batch")
+    p.add_argument("--grad-accum", type=int, default=1, help="micro-batches per optimizer step")
+    p.add_argument("--lr", type=float, help="peak learning rate (default: 5e-5 for a pretrained model, 1e-3 from "
+                   "scratch)")  # fmt: skip
+    p.add_argument("--weight-decay", type=float, default=0.1)
+    p.add_argument("--warmup", type=float, default=0.1, help="fraction of steps for linear warm-up")
+    p.add_argument("--schedule", choices=["cosine", "linear", "constant"], default="cosine")
+    p.add_argument("--clip-grad", type=float, default=1.0, help="max gradient norm (0: off)")
+    p.add_argument("--train-last", help="train the head, final norm and the last N blocks, or 'all' (default: 1 for "
+                   "a pretrained model, all from scratch)")  # fmt: skip
+    p.add_argument("--max-length", type=int, help="truncate texts to this many tokens (default: the longest)")
+    p.add_argument("--dtype", default="auto", help="auto (bfloat16 on a capable GPU, float32 on CPU) | bfloat16 | "
+                   "float32")  # fmt: skip
+    p.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N")
+    p.add_argument("--seed", type=int, default=123)
+    p.add_argument("--save-every", type=int, default=50, help="optimizer steps between resume checkpoints")
+    p.add_argument("--resume", action="store_true", help="continue the interrupted run in --output")
+    p.add_argument("--overwrite", action="store_true", help="start afresh even if --output holds an unfinished run")
+    return p.parse_args(argv)
+
+
+def choose_dtype(name: str, device: torch.device) -> torch.dtype:
+    """bfloat16 where the hardware computes it natively; float32 on CPU, where bfloat16 matmuls crawl."""
+    if name != "auto":
+        return parse_dtype(name)
+    if device.type == "cuda" and torch.cuda.is_bf16_supported():
+        return torch.bfloat16
+    return torch.float32
+
+
+def find_checkpoints(root: Path = WEIGHTS_DIR) -> list[Path]:
+    """Checkpoint directories (holding config.json and safetensors) under weights/."""
+    if not root.is_dir():
+        return []
+    return sorted(d for d in root.iterdir() if (d / "config.json").is_file() and any(d.glob("*.safetensors")))
+
+
+def parameter_count(cfg: LlamaConfig) -> int:
+    with torch.device("meta"):
+        return sum(p.numel() for p in Llama(cfg).parameters())
+
+
+def default_model(device: torch.device, dtype: torch.dtype, log) -> str:
+    """The largest checkpoint in weights/ whose weights use under half the device's memory; else 'tiny'."""
+    if device.type == "cuda":
+        budget = torch.cuda.get_device_properties(device).total_memory / 2
+    else:
+        budget = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2
+    sized = []
+    for d in find_checkpoints():
+        try:
+            sized.append((parameter_count(LlamaConfig.from_hf(d)), d))
+        except (ValueError, FileNotFoundError) as e:
+            log(f"skipping {d}: {e}")
+    fitting = [(n, d) for n, d in sized if n * dtype.itemsize < budget]
+    if fitting:
+        n, d = max(fitting)
+        log(f"model: {d} ({n / 1e6:,.0f}M parameters), the largest checkpoint in {WEIGHTS_DIR}/ that fits")
+        return str(d)
+    log(
+        f"model: no pretrained checkpoint in {WEIGHTS_DIR}/ (see weights/README.md), so the 'tiny' preset is "
+        "trained from random weights: this shows the pipeline, not what a pretrained model can do."
+    )
+    return "tiny"
+
+
+def resolve_tokenizer(model_ref: str, cfg: LlamaConfig, log) -> tuple[Tokenizer, str]:
+    """The checkpoint's own tokenizer, or the Llama-3 one shipped with llama-models for presets and bare checkpoints."""
+    path = Path(model_ref)
+    if path.is_dir():
+        try:
+            return Tokenizer.for_checkpoint(path), str(path)
+        except FileNotFoundError:
+            if cfg.vocab_size != 128_256:
+                raise
+            log(f"{path} has no tokenizer file; using the Llama-3 tokenizer (the vocabulary size matches)")
+    return Tokenizer.default(), "llama3"
+
+
+def write_text_atomic(path: Path, text: str) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(text)
+    os.replace(tmp, path)
+
+
+def history_csv(rows: list[dict]) -> str:
+    buf = io.StringIO()
+    if rows:
+        writer = csv.DictWriter(buf, fieldnames=list(rows[0]))
+        writer.writeheader()
+        writer.writerows(rows)
+    return buf.getvalue()
+
+
+def plot_history(rows: list[dict], path: Path) -> bool:
+    """loss.png with loss and accuracy per epoch, when matplotlib is installed (it is optional)."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return False
+    epochs = [r["epoch"] for r in rows]
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(9, 3.5))
+    for split in ("train", "val"):
+        ax1.plot(epochs, [r[f"{split}_loss"] for r in rows], marker="o", label=split)
+        ax2.plot(epochs, [r[f"{split}_accuracy"] for r in rows], marker="o", label=split)
+    ax1.set(xlabel="epoch", ylabel="loss", title="loss")
+    ax2.set(xlabel="epoch", ylabel="accuracy", title="accuracy")
+    ax1.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return True
+
+
+def run(args: argparse.Namespace) -> dict:
+    env, device = distributed.setup(args.device)
+    log = print if env.is_main else (lambda *a, **k: None)
+    if not env.is_main:
+        warnings.simplefilter("ignore", DataWarning)
+    started = time.perf_counter()
+    torch.manual_seed(args.seed)
+    dtype = choose_dtype(args.dtype, device)
+
+    # --- data
+    data = load_dataset(args.data, text_column=args.text_column, label_column=args.label_column)
+    log(data.describe())
+    protocol = args.split or default_protocol(args.data)
+    parts = make_splits(data, protocol=protocol, seed=args.seed)
+    log(f"split '{protocol}': " + ", ".join(f"{k} {len(v):,}" for k, v in parts.items()))
+
+    # --- model and tokenizer
+    model_ref = args.model or default_model(device, dtype, log)
+    backbone = load_model(model_ref, device=device, dtype=dtype, progress=env.is_main)
+    from_scratch = model_ref in PRESETS and not Path(model_ref).exists()
+    # A pretrained model needs only its top adjusted, gently; random weights must all learn, and faster.
+    train_last_arg = args.train_last or ("all" if from_scratch else "1")
+    train_last = None if train_last_arg == "all" else int(train_last_arg)
+    lr = args.lr or (1e-3 if from_scratch else 5e-5)
+    tokenizer, tokenizer_ref = resolve_tokenizer(model_ref, backbone.cfg, log)
+    ids = {k: encode_texts(v.texts, tokenizer)[0] for k, v in parts.items()}
+    max_length = args.max_length or default_max_length(ids["train"], backbone.cfg.max_seq_len)
+    truncated = sum(len(x) > max_length for rows in ids.values() for x in rows)
+    ids = {k: [x[:max_length] for x in rows] for k, rows in ids.items()}
+    log(f"max length {max_length} tokens; {truncated:,} texts truncated")
+    splits = {k: Split(ids[k], parts[k].labels) for k in parts}
+
+    clf = LlamaClassifier(backbone, num_classes=data.num_classes, train_last=train_last)
+    n_train = sum(p.numel() for p in clf.trainable_parameters().values())
+    log(f"training {n_train:,} of {sum(p.numel() for p in clf.parameters()):,} parameters on {device} in {dtype}")
+    model = distributed.wrap(clf, env, device)
+
+    # --- output directory
+    out = args.output or Path("runs") / f"{Path(model_ref).name}-{Path(args.data).stem}"
+    unfinished = (out / "checkpoint.pt").exists()
+    if unfinished and not (args.resume or args.overwrite):
+        raise DataError(f"{out} holds an unfinished run: pass --resume to continue it or --overwrite to restart")
+    distributed.barrier()
+    if env.is_main:
+        if unfinished and args.overwrite and not args.resume:
+            (out / "checkpoint.pt").unlink()
+        out.mkdir(parents=True, exist_ok=True)
+    distributed.barrier()
+
+    # Trained parameters only, unless the backbone itself came from random weights (then nothing else holds it).
+    def save_classifier(epoch: int | None = None) -> None:
+        state = clf.state_dict() if from_scratch else clf.trainable_parameters()
+        save_weights({k: v.detach() for k, v in state.items()}, out / "classifier.safetensors")
+
+    settings = TrainSettings(
+        epochs=args.epochs,
+        max_steps=args.max_steps,
+        batch_size=args.batch_size,
+        grad_accum=args.grad_accum,
+        lr=lr,
+        weight_decay=args.weight_decay,
+        warmup=args.warmup,
+        schedule=args.schedule,
+        clip_grad=args.clip_grad,
+        seed=args.seed,
+        save_every=args.save_every,
+    )
+    state = train(
+        model, splits, data.num_classes, tokenizer.pad_id, settings, env, device, out, args.resume, save_classifier, log
+    )
+
+    # --- final evaluation with the best weights (by validation accuracy)
+    if env.is_main and not (out / "classifier.safetensors").exists():
+        save_classifier()
+    distributed.barrier()
+    from safetensors.torch import load_file
+
+    best = load_file(out / "classifier.safetensors", device=str(device))
+    with torch.no_grad():
+        params = dict(clf.state_dict(keep_vars=True))
+        for name, value in best.items():
+            params[name].copy_(value)
+    results = {
+        k: evaluate(model, splits[k], data.num_classes, tokenizer.pad_id, settings, env, device, f"final {k}")
+        for k in ("train", "val", "test")
+    }
+    metrics = {
+        "model": model_ref,
+        "data": args.data,
+        "split": protocol,
+        "split_sizes": {k: len(v) for k, v in parts.items()},
+        "num_classes": data.num_classes,
+        "label_names": data.label_names,
+        **{f"{k}_accuracy": r["accuracy"] for k, r in results.items()},
+        **{f"{k}_loss": r["loss"] for k, r in results.items()},
+        "test_per_class": per_class(results["test"]["confusion"], data.label_names),
+        "test_confusion": results["test"]["confusion"],
+        "best_epoch": state.best_epoch,
+        "steps": state.step,
+        "seconds": time.perf_counter() - started,
+        "train_seconds": state.train_seconds,
+        "tokens_per_second": state.train_tokens / max(state.train_seconds, 1e-9),
+        "dtype": str(dtype).removeprefix("torch."),
+        "device": str(device),
+        "world_size": env.world_size,
+        "trainable_parameters": n_train,
+    }
+    if env.is_main:
+        meta = {
+            "base_model": str(Path(model_ref).resolve()) if Path(model_ref).exists() else model_ref,
+            "weights_include_backbone": from_scratch,
+            "config": backbone.cfg.to_hf_dict(),
+            "num_classes": data.num_classes,
+            "label_names": data.label_names,
+            "train_last": train_last,
+            "tokenizer": tokenizer_ref,
+            "max_length": max_length,
+            "dtype": metrics["dtype"],
+            "settings": dataclasses.asdict(settings),
+        }
+        write_text_atomic(out / "classifier.json", json.dumps(meta, indent=2) + "\n")
+        write_text_atomic(out / "history.csv", history_csv(state.history))
+        plot_history(state.history, out / "history.png")
+        write_text_atomic(out / "metrics.json", json.dumps(metrics, indent=2) + "\n")
+        (out / "checkpoint.pt").unlink(missing_ok=True)  # the run is complete; the resume point is spent
+        log(
+            f"test accuracy {metrics['test_accuracy']:.2%} (val {metrics['val_accuracy']:.2%}, train "
+            f"{metrics['train_accuracy']:.2%}); {metrics['seconds']:.0f} s. Results in {out}/"
+        )
+    return metrics
+
+
+def _interrupt(signum, frame) -> None:
+    """torchrun and job schedulers stop a run with SIGTERM: treat it like Ctrl-C, so progress is saved first."""
+    raise KeyboardInterrupt
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    signal.signal(signal.SIGTERM, _interrupt)
+    try:
+        run(args)
+    except KeyboardInterrupt:
+        return 130
+    except (DataError, CheckpointError, TrainingDiverged, FileNotFoundError, ValueError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    finally:
+        distributed.teardown()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
