@@ -46,11 +46,12 @@ def load_classifier(
     clf = LlamaClassifier(backbone, num_classes=meta["num_classes"], train_last=meta["train_last"]).eval()
     params = dict(clf.named_parameters())
     with safe_open(weights_path, framework="pt", device=str(device)) as f:
-        unknown = [k for k in f if k not in params]
+        names = f.keys()  # safe_open is not iterable itself
+        unknown = [k for k in names if k not in params]
         if unknown:
             raise CheckpointError(f"{weights_path}: tensors that this classifier does not have: {unknown[:5]}")
         with torch.no_grad():
-            for name in f:
+            for name in names:
                 params[name].copy_(f.get_tensor(name))
     tokenizer = Tokenizer.default() if meta["tokenizer"] == "llama3" else Tokenizer.for_checkpoint(meta["tokenizer"])
     return clf, tokenizer, meta

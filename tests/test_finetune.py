@@ -1,0 +1,164 @@
+"""The main job end to end, as a user runs it: one process, two DDP processes, interrupted and resumed."""
+
+import csv
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from llama_scratch import classify, finetune_classifier
+from llama_scratch.data import load_sms_spam
+
+
+@pytest.fixture(scope="module")
+def small_csv(tmp_path_factory) -> Path:
+    """96 real SMS messages, half spam, as a user's CSV file with a header."""
+    sms = load_sms_spam()
+    ham = [t for t, y in zip(sms.texts, sms.labels, strict=True) if y == 0][:48]
+    spam = [t for t, y in zip(sms.texts, sms.labels, strict=True) if y == 1][:48]
+    path = tmp_path_factory.mktemp("data") / "sms.csv"
+    with path.open("w", newline="") as f:
+        w = csv.writer(f)
+        w.writerow(["message", "category"])
+        w.writerows([(t, "ham") for t in ham] + [(t, "spam") for t in spam])
+    return path
+
+
+def args_for(data: Path, out: Path, *extra: str) -> list[str]:
+    common = ["--model", "tiny", "--data", str(data), "--split", "full", "--output", str(out), "--epochs", "2"]
+    return common + ["--train-last", "2", "--lr", "1e-3", "--max-length", "48", *extra]
+
+
+def run_module(*args: str, torchrun: int = 0, **kwargs) -> subprocess.CompletedProcess:
+    launcher = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={torchrun}"] if torchrun else [
+        sys.executable
+    ]  # fmt: skip
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    return subprocess.run(
+        [*launcher, "-m", "llama_scratch.finetune_classifier", *args], capture_output=True, text=True, env=env, **kwargs
+    )
+
+
+def test_one_process_run_writes_results_and_classify_reads_them(small_csv, tmp_path, capsys):
+    out = tmp_path / "run"
+    assert finetune_classifier.main(args_for(small_csv, out, "--batch-size", "8")) == 0
+    metrics = json.loads((out / "metrics.json").read_text())
+    for key in ("train_accuracy", "val_accuracy", "test_accuracy", "test_loss", "num_classes", "model", "seconds"):
+        assert key in metrics
+    assert metrics["num_classes"] == 2 and metrics["label_names"] == ["ham", "spam"]
+    assert sum(map(sum, metrics["test_confusion"])) == metrics["split_sizes"]["test"]
+    assert set(metrics["test_per_class"]) == {"ham", "spam"}
+    history = (out / "history.csv").read_text().splitlines()
+    assert history[0].startswith("epoch,step,train_loss") and len(history) == 3
+    assert not (out / "checkpoint.pt").exists(), "a finished run leaves no resume point behind"
+
+    capsys.readouterr()
+    assert classify.main(["--checkpoint", str(out), "WINNER! Claim your free prize now", "see you at lunch"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert len(lines) == 2 and all(line.split("\t")[0] in ("ham", "spam") for line in lines)
+
+
+def test_saves_only_trained_parameters_for_a_pretrained_backbone(small_csv, tmp_path):
+    from llama_scratch import Llama, LlamaConfig
+    from llama_scratch.weights import save_checkpoint
+
+    cfg = LlamaConfig.from_name("tiny")
+    base = tmp_path / "base"
+    save_checkpoint(Llama(cfg), cfg, base)
+    out = tmp_path / "run"
+    argv = ["--model", str(base), "--data", str(small_csv), "--output", str(out), "--max-steps", "2"]
+    assert finetune_classifier.main(argv + ["--batch-size", "8"]) == 0
+    saved = load_file(out / "classifier.safetensors")
+    assert set(saved) == {"head.weight", "backbone.final_norm.weight"} | {
+        f"backbone.blocks.3.{n}" for n, _ in Llama(cfg).blocks[3].named_parameters()
+    }
+    meta = json.loads((out / "classifier.json").read_text())
+    assert meta["base_model"] == str(base.resolve()) and not meta["weights_include_backbone"]
+
+
+def test_ddp_two_processes_equal_one_process(small_csv, tmp_path):
+    single, ddp = tmp_path / "single", tmp_path / "ddp"
+    one = run_module(*args_for(small_csv, single, "--batch-size", "8"))
+    assert one.returncode == 0, one.stderr
+    two = run_module(*args_for(small_csv, ddp, "--batch-size", "4"), torchrun=2)
+    assert two.returncode == 0, two.stderr
+    a, b = load_file(single / "classifier.safetensors"), load_file(ddp / "classifier.safetensors")
+    assert a.keys() == b.keys()
+    assert max((a[k] - b[k]).abs().max().item() for k in a) <= 1e-5
+    ma, mb = (json.loads((d / "metrics.json").read_text()) for d in (single, ddp))
+    assert mb["world_size"] == 2
+    for key in ("train_accuracy", "val_accuracy", "test_accuracy", "test_confusion", "steps"):
+        assert ma[key] == mb[key], key
+    assert abs(ma["test_loss"] - mb["test_loss"]) < 1e-5
+
+
+def test_resume_after_kill_equals_uninterrupted_run(small_csv, tmp_path):
+    full, killed = tmp_path / "full", tmp_path / "killed"
+    assert finetune_classifier.main(args_for(small_csv, full, "--batch-size", "4")) == 0
+
+    argv = args_for(small_csv, killed, "--batch-size", "4", "--save-every", "1")
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.Popen([sys.executable, "-m", "llama_scratch.finetune_classifier", *argv], env=env)
+    deadline = time.time() + 120
+    while not (killed / "checkpoint.pt").exists() and time.time() < deadline and proc.poll() is None:
+        time.sleep(0.05)
+    time.sleep(0.3)  # let it get a few steps further than the first save
+    proc.kill()
+    proc.wait()
+    assert (killed / "checkpoint.pt").exists(), "the run should have been killed before it finished"
+    assert not (killed / "metrics.json").exists()
+
+    again = run_module(*argv)
+    assert again.returncode == 2 and "--resume" in again.stderr, "an unfinished run is not silently overwritten"
+    resumed = run_module(*argv, "--resume")
+    assert resumed.returncode == 0, resumed.stderr
+    a, b = load_file(full / "classifier.safetensors"), load_file(killed / "classifier.safetensors")
+    assert max((a[k] - b[k]).abs().max().item() for k in a) == 0.0
+    assert json.loads((full / "metrics.json").read_text())["test_loss"] == pytest.approx(
+        json.loads((killed / "metrics.json").read_text())["test_loss"], abs=1e-6
+    )
+
+
+def test_ctrl_c_saves_a_resume_point(small_csv, tmp_path):
+    out = tmp_path / "run"
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    argv = args_for(small_csv, out, "--batch-size", "2", "--save-every", "1000", "--epochs", "20")
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "llama_scratch.finetune_classifier", *argv], env=env, stderr=subprocess.PIPE, text=True
+    )
+    seen = ""
+    while "epoch 1/20" not in seen and proc.poll() is None:  # training has started
+        seen += proc.stderr.read(100)
+    time.sleep(1.0)
+    proc.send_signal(signal.SIGINT)
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 130
+    assert (out / "checkpoint.pt").exists()
+    saved = torch.load(out / "checkpoint.pt", weights_only=False)
+    assert saved["state"]["step"] >= 1
+
+
+def test_bad_data_gives_a_clear_error(tmp_path):
+    missing = tmp_path / "nope.csv"
+    assert finetune_classifier.main(["--model", "tiny", "--data", str(missing), "--output", str(tmp_path)]) == 2
+    one_class = tmp_path / "one.csv"
+    one_class.write_text("text,label\n" + "".join(f"message {i},ham\n" for i in range(20)))
+    r = run_module("--model", "tiny", "--data", str(one_class), "--output", str(tmp_path / "o"))
+    assert r.returncode == 2 and "one.csv" in r.stderr and "class" in r.stderr
+
+
+def test_too_little_data_for_the_processes_is_an_error(small_csv, tmp_path):
+    r = run_module(*args_for(small_csv, tmp_path / "o", "--batch-size", "128"))
+    assert r.returncode == 2 and "fewer than one step needs" in r.stderr
+
+
+def test_diverging_loss_stops_with_a_message(small_csv, tmp_path):
+    r = run_module(*args_for(small_csv, tmp_path / "o", "--batch-size", "8", "--lr", "1e30", "--clip-grad", "0"))
+    assert r.returncode == 2 and "loss became" in r.stderr
