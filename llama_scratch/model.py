@@ -187,13 +187,18 @@ class Llama(nn.Module):
         mask = causal & (real[:, None, :] | torch.eye(seq_len, dtype=torch.bool, device=device))
         return self.rope(positions), mask.unsqueeze(1)  # [B, 1, T, T], broadcast over heads
 
+    def run_blocks(
+        self, x: torch.Tensor, attention_mask: torch.Tensor | None = None, start: int = 0, stop: int | None = None
+    ) -> torch.Tensor:
+        """The residual stream x [B, T, dim] through blocks[start:stop] (a slice lets frozen layers run once)."""
+        rope, mask = self.attention_inputs(attention_mask, x.shape[1], x.device)
+        for block in self.blocks[start:stop]:
+            x = block(x, rope, mask)
+        return x
+
     def hidden_states(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
         """[B, T] token ids (attention_mask [B, T] of 1 = real, 0 = pad) -> [B, T, dim] after the final norm."""
-        rope, mask = self.attention_inputs(attention_mask, input_ids.shape[1], input_ids.device)
-        x = self.embed_tokens(input_ids)
-        for block in self.blocks:
-            x = block(x, rope, mask)
-        return self.final_norm(x)
+        return self.final_norm(self.run_blocks(self.embed_tokens(input_ids), attention_mask))
 
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
         """Next-token logits [B, T, vocab_size]."""
