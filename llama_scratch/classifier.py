@@ -61,7 +61,20 @@ class LlamaClassifier(nn.Module):
         """Name -> parameter for everything that trains: what the optimizer steps and the checkpoint saves."""
         return {name: p for name, p in self.named_parameters() if p.requires_grad}
 
-    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
-        """[B, T] token ids and 1/0 mask -> [B, num_classes] class scores (logits)."""
-        hidden = self.backbone.hidden_states(input_ids, attention_mask)
+    def forward(
+        self,
+        input_ids: torch.Tensor | None,
+        attention_mask: torch.Tensor | None = None,
+        frozen_states: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """[B, T] token ids and 1/0 mask -> [B, num_classes] class scores (logits).
+
+        `frozen_states` [B, T, dim] replaces `input_ids` with the output of the frozen blocks, computed once
+        beforehand (see `prefix_cache`), so that only the trained blocks run.
+        """
+        if frozen_states is None:
+            hidden = self.backbone.hidden_states(input_ids, attention_mask)
+        else:
+            start = len(self.backbone.blocks) - self.train_last
+            hidden = self.backbone.final_norm(self.backbone.run_blocks(frozen_states, attention_mask, start=start))
         return self.head(last_real_token(hidden, attention_mask))

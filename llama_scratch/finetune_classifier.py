@@ -25,6 +25,7 @@ from .config import PRESETS, LlamaConfig, parse_dtype
 from .data import DataError, DataWarning, default_max_length, default_protocol, encode_texts, load_dataset
 from .data import split_dataset as make_splits
 from .model import Llama
+from .prefix_cache import cache_bytes, compute_frozen_states, frozen_blocks, memory_budget
 from .tokenizer import Tokenizer
 from .train import Split, TrainingDiverged, TrainSettings, evaluate, per_class, train
 from .weights import CheckpointError, load_model, save_weights
@@ -57,6 +58,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--clip-grad", type=float, default=1.0, help="max gradient norm (0: off)")
     p.add_argument("--train-last", help="train the head, final norm and the last N blocks, or 'all' (default: 1 for "
                    "a pretrained model, all from scratch)")  # fmt: skip
+    p.add_argument("--cache-frozen", choices=["auto", "on", "off"], default="auto", help="compute the frozen "
+                   "layers' output once, not every epoch (auto: when it fits in a quarter of memory)")  # fmt: skip
     p.add_argument("--max-length", type=int, help="truncate texts to this many tokens (default: the longest)")
     p.add_argument("--dtype", default="auto", help="auto (bfloat16 on a capable GPU, float32 on CPU) | bfloat16 | "
                    "float32")  # fmt: skip
@@ -124,6 +127,19 @@ def resolve_tokenizer(model_ref: str, cfg: LlamaConfig, log) -> tuple[Tokenizer,
                 raise
             log(f"{path} has no tokenizer file; using the Llama-3 tokenizer (the vocabulary size matches)")
     return Tokenizer.default(), "llama3"
+
+
+def use_cache(choice: str, clf: LlamaClassifier, ids: dict[str, list[list[int]]], device: torch.device, log) -> bool:
+    """Whether to cache the frozen layers' output: there must be frozen blocks, and (auto) room to keep it."""
+    frozen = frozen_blocks(clf)
+    if choice == "off" or frozen == 0:
+        return False
+    size = sum(cache_bytes(rows, clf) for rows in ids.values())
+    if choice == "auto" and size > memory_budget(device):
+        log(f"not caching the frozen layers: {size / 2**30:.1f} GiB exceeds a quarter of the device's memory")
+        return False
+    log(f"caching the output of the {frozen} frozen blocks for every text ({size / 2**20:,.0f} MiB)")
+    return True
 
 
 def write_text_atomic(path: Path, text: str) -> None:
@@ -199,6 +215,12 @@ def run(args: argparse.Namespace) -> dict:
     clf = LlamaClassifier(backbone, num_classes=data.num_classes, train_last=train_last)
     n_train = sum(p.numel() for p in clf.trainable_parameters().values())
     log(f"training {n_train:,} of {sum(p.numel() for p in clf.parameters()):,} parameters on {device} in {dtype}")
+    if use_cache(args.cache_frozen, clf, ids, device, log):
+        show = env.is_main
+        splits = {
+            k: Split(v.ids, v.labels, compute_frozen_states(clf, v.ids, tokenizer.pad_id, show=show))
+            for k, v in splits.items()
+        }
     model = distributed.wrap(clf, env, device)
 
     # --- output directory

@@ -22,6 +22,7 @@ from tqdm.auto import tqdm
 from . import distributed
 from .data import collate
 from .distributed import Dist
+from .prefix_cache import pad_states
 
 
 @dataclass
@@ -43,10 +44,11 @@ class TrainSettings:
 
 @dataclass
 class Split:
-    """A tokenized split: token-id lists and class ids."""
+    """A tokenized split: token-id lists and class ids, and optionally each text's frozen-prefix output."""
 
     ids: list[list[int]]
     labels: list[int]
+    states: list[torch.Tensor] | None = None  # see prefix_cache: then the model runs only its trained blocks
 
 
 @dataclass
@@ -86,8 +88,17 @@ def epoch_batches(n: int, epoch: int, s: TrainSettings, env: Dist) -> list[list[
 
 
 def to_batch(split: Split, rows: list[int], pad_id: int, side: str, device: torch.device) -> dict[str, torch.Tensor]:
+    """A padded batch: `input_ids` or (with a cache) `frozen_states`, `attention_mask` and `labels`."""
+    if split.states is not None:
+        states, mask = pad_states([split.states[i] for i in rows])
+        labels = torch.tensor([split.labels[i] for i in rows], device=device)
+        return {"frozen_states": states.to(device), "attention_mask": mask.to(device), "labels": labels}
     batch = collate([(split.ids[i], split.labels[i]) for i in rows], pad_id, side)
     return {k: v.to(device, non_blocking=True) for k, v in batch.items()}
+
+
+def forward(model: nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+    return model(batch.get("input_ids"), batch["attention_mask"], frozen_states=batch.get("frozen_states"))
 
 
 def check_enough_data(n_train: int, s: TrainSettings, env: Dist) -> int:
@@ -147,7 +158,7 @@ def evaluate(
     confusion = torch.zeros(num_classes, num_classes, dtype=torch.float64, device=device)  # [true, predicted]
     for start in tqdm(range(0, len(rows), size), desc, leave=False, disable=not env.is_main):
         batch = to_batch(split, rows[start : start + size], pad_id, s.padding_side, device)
-        logits = model(batch["input_ids"], batch["attention_mask"]).float()
+        logits = forward(model, batch).float()
         loss_sum += F.cross_entropy(logits, batch["labels"], reduction="sum").double()
         flat = batch["labels"] * num_classes + logits.argmax(-1)
         confusion += torch.bincount(flat, minlength=num_classes**2).view(num_classes, num_classes).double()
@@ -276,7 +287,7 @@ def train(
                     # Under DDP, gradients are averaged across processes only on the last micro-batch of a step.
                     sync = contextlib.nullcontext() if last or not env.enabled else model.no_sync()
                     with sync:
-                        logits = model(batch["input_ids"], batch["attention_mask"])
+                        logits = forward(model, batch)
                         micro = F.cross_entropy(logits.float(), batch["labels"]) / s.grad_accum
                         micro.backward()
                     loss += micro.item()

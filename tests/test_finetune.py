@@ -162,3 +162,16 @@ def test_too_little_data_for_the_processes_is_an_error(small_csv, tmp_path):
 def test_diverging_loss_stops_with_a_message(small_csv, tmp_path):
     r = run_module(*args_for(small_csv, tmp_path / "o", "--batch-size", "8", "--lr", "1e30", "--clip-grad", "0"))
     assert r.returncode == 2 and "loss became" in r.stderr
+
+
+def test_cached_frozen_prefix_trains_the_same_weights(small_csv, tmp_path):
+    runs = {}
+    for choice in ("on", "off"):
+        out = tmp_path / choice
+        argv = args_for(small_csv, out, "--batch-size", "8", "--cache-frozen", choice)
+        assert finetune_classifier.main(argv) == 0
+        runs[choice] = (load_file(out / "classifier.safetensors"), json.loads((out / "metrics.json").read_text()))
+    (a, ma), (b, mb) = runs["on"], runs["off"]
+    assert max((a[k] - b[k]).abs().max().item() for k in a) < 1e-5
+    assert ma["test_confusion"] == mb["test_confusion"]
+    assert ma["test_loss"] == pytest.approx(mb["test_loss"], abs=1e-5)
