@@ -1,0 +1,200 @@
+"""Text generation with a key/value cache: proof that a loaded checkpoint is a working language model.
+
+`python -m llama_scratch.generate --model DIR [--chat] "prompt"` continues the prompt greedily (or by sampling
+with --temperature / --top-k) and prints the text as it comes.
+
+Why a cache: a causal model's keys and values for a position never change once computed, because position t
+attends only to positions <= t. Without a cache every new token recomputes the whole sequence (cost grows with
+the square of the length); with one, each step runs the network on the single new token and attends to the
+stored keys and values of all earlier ones. `Llama.forward` has no cache, so `cached_step` below runs the same
+modules (embedding, norms, projections, rotary tables, feed-forward, head) step by step itself.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from .model import Attention, Llama, apply_rotary
+from .tokenizer import Tokenizer
+
+
+class KVCache:
+    """Per block, the keys and values of every position processed so far: [batch, kv_heads, max_len, head_dim]."""
+
+    def __init__(self, model: Llama, batch_size: int, max_len: int):
+        cfg = model.cfg
+        if max_len > cfg.max_seq_len:
+            raise ValueError(f"{max_len} positions exceed the model's context of {cfg.max_seq_len}")
+        param = model.embed_tokens.weight
+        shape = (batch_size, cfg.n_kv_heads, max_len, cfg.head_dim)
+        self.keys = [torch.zeros(shape, dtype=param.dtype, device=param.device) for _ in range(cfg.n_layers)]
+        self.values = [torch.zeros(shape, dtype=param.dtype, device=param.device) for _ in range(cfg.n_layers)]
+        self.length = 0  # positions filled
+        self.max_len = max_len
+
+
+def cached_attention(
+    attn: Attention,
+    x: torch.Tensor,
+    rope: tuple[torch.Tensor, torch.Tensor],
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    start: int,
+) -> torch.Tensor:
+    """`Attention.forward` for new positions start..start+T-1: store their keys/values, attend to all so far."""
+    B, T, _ = x.shape
+    q = attn.q_proj(x).view(B, T, attn.n_heads, attn.head_dim).transpose(1, 2)  # [B, heads, T, head_dim]
+    k = attn.k_proj(x).view(B, T, attn.n_kv_heads, attn.head_dim).transpose(1, 2)
+    v = attn.v_proj(x).view(B, T, attn.n_kv_heads, attn.head_dim).transpose(1, 2)
+    q, k = apply_rotary(q, *rope), apply_rotary(k, *rope)
+    end = start + T
+    keys[:, :, start:end], values[:, :, start:end] = k, v
+    # New position start+i may see stored positions 0..start+i (for a single new token: all of them).
+    visible = torch.ones(T, end, dtype=torch.bool, device=x.device).tril(diagonal=start)
+    out = F.scaled_dot_product_attention(
+        q, keys[:, :, :end], values[:, :, :end], attn_mask=visible, enable_gqa=attn.n_kv_heads != attn.n_heads
+    )
+    return attn.o_proj(out.transpose(1, 2).reshape(B, T, -1))
+
+
+def cached_step(model: Llama, input_ids: torch.Tensor, cache: KVCache) -> torch.Tensor:
+    """Run the new tokens `input_ids` [B, T] through the model, extending `cache`; next-token logits [B, T, vocab].
+
+    The same computation as `Llama.forward` on the whole sequence, restricted to the new positions.
+    """
+    start, T = cache.length, input_ids.shape[1]
+    if start + T > cache.max_len:
+        raise ValueError(f"the cache holds {cache.max_len} positions; {start} used, {T} more asked")
+    positions = torch.arange(start, start + T, device=input_ids.device).expand(1, T)
+    rope = model.rope(positions)
+    x = model.embed_tokens(input_ids)
+    for block, keys, values in zip(model.blocks, cache.keys, cache.values, strict=True):
+        x = x + cached_attention(block.attention, block.attention_norm(x), rope, keys, values, start)
+        x = x + block.ffn(block.ffn_norm(x))
+    cache.length = start + T
+    return model.lm_head(model.final_norm(x))
+
+
+def pick_token(
+    logits: torch.Tensor, temperature: float = 0.0, top_k: int | None = None, generator: torch.Generator | None = None
+) -> int:
+    """The next token from a [vocab] row of logits: the most likely (temperature 0), or sampled from the
+    softmax at `temperature`, optionally among the `top_k` most likely only."""
+    if temperature <= 0:
+        return int(logits.argmax())
+    logits = logits.float() / temperature
+    if top_k is not None and top_k < logits.numel():
+        threshold = logits.topk(top_k).values[-1]
+        logits = logits.masked_fill(logits < threshold, float("-inf"))
+    probs = torch.softmax(logits, dim=-1)
+    return int(torch.multinomial(probs, 1, generator=generator))
+
+
+@torch.no_grad()
+def generate_tokens(
+    model: Llama,
+    prompt_ids: Sequence[int],
+    max_new_tokens: int,
+    *,
+    temperature: float = 0.0,
+    top_k: int | None = None,
+    stop_ids: Sequence[int] = (),
+    generator: torch.Generator | None = None,
+    use_cache: bool = True,
+) -> Iterator[int]:
+    """Yield up to `max_new_tokens` new token ids, one at a time, stopping after any of `stop_ids`.
+
+    `use_cache=False` recomputes the full sequence every step (slow; the reference the cached path must match).
+    """
+    if not 0 < len(prompt_ids) <= model.cfg.max_seq_len:
+        raise ValueError(f"the prompt has {len(prompt_ids)} tokens; give 1 to {model.cfg.max_seq_len}")
+    device = model.embed_tokens.weight.device
+    ids = list(prompt_ids)
+    cache = KVCache(model, 1, min(len(ids) + max_new_tokens, model.cfg.max_seq_len)) if use_cache else None
+    new = torch.tensor([ids], device=device)
+    for _ in range(max_new_tokens):
+        if len(ids) > model.cfg.max_seq_len:
+            break  # context full
+        if cache is not None:
+            logits = cached_step(model, new, cache)[0, -1]
+        else:
+            logits = model(torch.tensor([ids], device=device))[0, -1]
+        token = pick_token(logits, temperature, top_k, generator)
+        yield token
+        if token in stop_ids:
+            return
+        ids.append(token)
+        new = torch.tensor([[token]], device=device)
+
+
+def generate(model: Llama, prompt_ids: Sequence[int], max_new_tokens: int, **kwargs) -> list[int]:
+    """The new token ids (see `generate_tokens` for the options)."""
+    return list(generate_tokens(model, prompt_ids, max_new_tokens, **kwargs))
+
+
+def chat_prompt(tok: Tokenizer, user: str, system: str | None = None) -> list[int]:
+    """Token ids of a one-turn chat, ending with the open assistant header the model continues."""
+    messages = [{"role": "system", "content": system}] if system else []
+    return tok.encode_chat([*messages, {"role": "user", "content": user}], add_generation_prompt=True)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m llama_scratch.generate", description=__doc__.split("\n\n")[0])
+    parser.add_argument("prompt")
+    parser.add_argument("--model", required=True, help="checkpoint directory (e.g. weights/smollm2-135m-instruct)")
+    parser.add_argument("--max-new-tokens", type=int, default=128)
+    parser.add_argument("--temperature", type=float, default=0.0, help="0 (default): greedy")
+    parser.add_argument("--top-k", type=int, default=None, help="sample among the k most likely tokens only")
+    parser.add_argument("--seed", type=int, default=0, help="sampling seed")
+    parser.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat format")
+    parser.add_argument("--system", default=None, help="system message for --chat")
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--dtype", default=None, help="bfloat16, float32, ... (default: the checkpoint's)")
+    parser.add_argument("--no-cache", action="store_true", help="recompute every step (slow; for comparison)")
+    args = parser.parse_args(argv)
+
+    from .weights import load_model
+
+    if not Path(args.model).is_dir():
+        print(f"error: --model {args.model}: not a checkpoint directory", file=sys.stderr)
+        return 1
+    try:
+        tok = Tokenizer.for_checkpoint(args.model)
+        model = load_model(args.model, device=args.device, dtype=args.dtype).eval()
+        prompt = chat_prompt(tok, args.prompt, args.system) if args.chat else tok.encode(args.prompt, bos=True)
+    except (OSError, ValueError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    generator = torch.Generator(device=args.device).manual_seed(args.seed)
+    tokens = generate_tokens(
+        model,
+        prompt,
+        args.max_new_tokens,
+        temperature=args.temperature,
+        top_k=args.top_k,
+        stop_ids=tok.stop_ids,
+        generator=generator,
+        use_cache=not args.no_cache,
+    )
+    out: list[int] = []
+    printed = ""
+    for token in tokens:
+        if token in tok.stop_ids:
+            break
+        out.append(token)
+        text = tok.decode(out)
+        if not text.endswith("\ufffd"):  # wait until a multi-byte character is complete
+            print(text[len(printed) :], end="", flush=True)
+            printed = text
+    print(tok.decode(out)[len(printed) :])
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
