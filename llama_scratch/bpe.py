@@ -211,6 +211,7 @@ def tokenizer_from_hf(tokenizer_json: dict, tokenizer_config: dict | None = None
         pad_id=eos if pad is None else pad,
         special_tokens=special,
         chat_format=chat_format_of(config.get("chat_template")),
+        default_system_prompt=default_system_prompt(config.get("chat_template")),
     )
 
 

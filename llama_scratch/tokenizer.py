@@ -169,6 +169,7 @@ class Tokenizer:
         pad_id: int,
         special_tokens: Mapping[str, int] | None = None,
         chat_format: str | None = "llama3",
+        default_system_prompt: str | None = None,
     ) -> Tokenizer:
         """A Tokenizer over any tiktoken Encoding: the hook for other byte-level BPE vocabularies.
 
@@ -178,6 +179,8 @@ class Tokenizer:
         model uses no begin-of-text token (`bos=True` then adds nothing). `chat_format` is "llama3"
         (<|start_header_id|>role<|end_header_id|>...<|eot_id|>), "chatml" (<|im_start|>role ...<|im_end|>, as
         SmolLM2 and Qwen use) or None; the tokens it needs must be among `special_tokens`.
+        `default_system_prompt` is put first in a dialog that has no system message, as some chat templates do
+        (SmolLM2's names itself in one).
         """
         if special_tokens is None:
             special_tokens = {name: encoding.encode_single_token(name) for name in encoding.special_tokens_set}
@@ -190,6 +193,7 @@ class Tokenizer:
             special_tokens=dict(special_tokens),
             chat_format=chat_format,
         )
+        self.default_system_prompt = default_system_prompt
         return self
 
     def _setup(
@@ -225,6 +229,7 @@ class Tokenizer:
         self.special_tokens = special_tokens
         self.bos_id, self.eos_id, self.pad_id = bos_id, eos_id, pad_id
         self.chat_format = chat_format
+        self.default_system_prompt: str | None = None
 
     @classmethod
     def default(cls) -> Tokenizer:
@@ -269,7 +274,8 @@ class Tokenizer:
     @property
     def stop_ids(self) -> list[int]:
         """Ids after which generation stops: end of text, and the end-of-turn/message tokens."""
-        ids = {self.eos_id, self.eot_id, self.special_tokens.get("<|eom_id|>")}
+        names = ("<|eom_id|>", "<|endoftext|>")  # Llama-3's end of a tool call; GPT-2-style end of document
+        ids = {self.eos_id, self.eot_id, *(self.special_tokens.get(n) for n in names)}
         return sorted(i for i in ids if i is not None)
 
     def encode(
@@ -326,6 +332,8 @@ class Tokenizer:
         if self.chat_format is None:
             raise ValueError("this tokenizer has no chat format")
         ids = [self.bos_id] if self.chat_format == "llama3" and self.bos_id is not None else []
+        if self.default_system_prompt is not None and (not messages or messages[0].get("role") != "system"):
+            messages = [{"role": "system", "content": self.default_system_prompt}, *messages]
         for i, message in enumerate(messages):
             role, content = message.get("role"), message.get("content")
             if role not in CHAT_ROLES or not isinstance(content, str):

@@ -417,8 +417,10 @@ def test_smollm2_chat_template(smollm2_tokenizer, hf_gguf_tokenizer, smollm2_dir
     assert system == "You are a helpful AI assistant named SmolLM, trained by Hugging Face"
     dialog = [{"role": "user", "content": "What is the capital of France?"}]
     expected = hf_gguf_tokenizer.apply_chat_template(dialog, add_generation_prompt=True, return_dict=False)
-    ours = smollm2_tokenizer.encode_chat([{"role": "system", "content": system}, *dialog])
-    assert ours == list(expected)
+    assert smollm2_tokenizer.default_system_prompt == system  # the template's own, added when none is given
+    assert smollm2_tokenizer.encode_chat(dialog) == list(expected)
+    assert smollm2_tokenizer.encode_chat([{"role": "system", "content": system}, *dialog]) == list(expected)
+    assert smollm2_tokenizer.eos_id in smollm2_tokenizer.stop_ids
 
 
 def test_converted_checkpoint_loads_in_transformers(smollm2_dir, smollm2_tokenizer):

@@ -192,7 +192,7 @@ def test_from_encoding_with_chatml_and_no_bos(ours):
     rendered = "<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\n Hi <|im_end|>\n<|im_end|>\n"
     assert tok.decode(ids) == rendered + "<|im_start|>assistant\n"
     assert ids.count(128_002) == 2  # the <|im_end|> typed by the user stayed text
-    assert tok.stop_ids == [128_002] and tok.eot_id == 128_002
+    assert tok.stop_ids == [128_000, 128_002] and tok.eot_id == 128_002  # <|endoftext|> ends a document
     with pytest.raises(ValueError, match="<\\|start_header_id\\|>"):
         Tokenizer.from_encoding(enc, bos_id=None, eos_id=128_002, pad_id=128_000, chat_format="llama3")
     with pytest.raises(ValueError, match="not token 5"):
