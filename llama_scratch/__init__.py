@@ -4,5 +4,15 @@ from .classifier import LlamaClassifier
 from .config import LlamaConfig
 from .model import Llama
 from .tokenizer import Tokenizer
+from .weights import load_model, load_weights, save_checkpoint, save_weights
 
-__all__ = ["LlamaConfig", "Llama", "LlamaClassifier", "Tokenizer"]
+__all__ = [
+    "LlamaConfig",
+    "Llama",
+    "LlamaClassifier",
+    "Tokenizer",
+    "load_weights",
+    "load_model",
+    "save_checkpoint",
+    "save_weights",
+]

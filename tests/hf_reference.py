@@ -1,9 +1,11 @@
 """Hugging Face transformers as an independent reference: build its Llama from our config (test-only)."""
 
+import tempfile
+
 import torch
 import transformers
 
-from llama_scratch import Llama, LlamaConfig
+from llama_scratch import Llama, LlamaConfig, load_weights
 
 
 def hf_llama(cfg: LlamaConfig) -> transformers.LlamaForCausalLM:
@@ -37,22 +39,11 @@ def tiny_cfg(**overrides) -> LlamaConfig:
     return LlamaConfig(**{**base, "dtype": torch.float32, **overrides})
 
 
-def ours_from_hf(cfg: LlamaConfig, hf: transformers.LlamaForCausalLM) -> Llama:
-    """Our model holding the reference's weights (copied by name until load_weights exists)."""
-    rename = {
-        "model.embed_tokens": "embed_tokens",
-        "model.norm": "final_norm",
-        "model.layers": "blocks",
-        "input_layernorm": "attention_norm",
-        "post_attention_layernorm": "ffn_norm",
-        "self_attn": "attention",
-        "mlp": "ffn",
-    }
-    state = {}
-    for name, tensor in hf.state_dict().items():
-        for old, new in rename.items():
-            name = name.replace(old, new)
-        state[name] = tensor
-    model = Llama(cfg)
-    model.load_state_dict(state, strict=False)
+def ours_from_hf(cfg: LlamaConfig, hf: transformers.PreTrainedModel) -> Llama:
+    """Our model holding the reference's weights, passed through a checkpoint that transformers writes."""
+    with tempfile.TemporaryDirectory() as tmp:
+        hf.save_pretrained(tmp)
+        with torch.device("meta"):
+            model = Llama(cfg)
+        load_weights(model, tmp, device="cpu", progress=False, mmap=False)
     return model.eval()

@@ -1,0 +1,522 @@
+"""Getting weights into a Llama and out again: checkpoint files, name mapping, a streaming loader, atomic saving.
+
+The loader never holds a second copy of the model. It reads the safetensors headers first (a few kilobytes), checks
+every name and shape against the model, and only then streams the tensors one at a time, in file order, each
+straight into its final place on the target device. Peak memory is the model plus at most one tensor, by
+construction, whether the model was built on the meta device (the normal case) or already materialized.
+
+On CPU, when the file already holds the parameter's dtype, there is nothing to convert or move, and the parameter
+becomes a private memory map of its bytes in the file: no copy at all, the page cache and the model share the same
+memory, pages come in from the page cache (or disk) on first use, and a write (training) copies just that page.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import re
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from .config import PRESETS, LlamaConfig, parse_dtype
+from .model import Llama
+
+# --- names -------------------------------------------------------------------------------------------------------
+
+# (Hugging Face, ours). {i} stands for the layer number and {p} for a projection (q_proj, gate_proj, ...).
+NAME_MAP = [
+    ("model.embed_tokens.weight", "embed_tokens.weight"),
+    ("model.layers.{i}.input_layernorm.weight", "blocks.{i}.attention_norm.weight"),
+    ("model.layers.{i}.self_attn.{p}.weight", "blocks.{i}.attention.{p}.weight"),
+    ("model.layers.{i}.post_attention_layernorm.weight", "blocks.{i}.ffn_norm.weight"),
+    ("model.layers.{i}.mlp.{p}.weight", "blocks.{i}.ffn.{p}.weight"),
+    ("model.norm.weight", "final_norm.weight"),
+    ("lm_head.weight", "lm_head.weight"),
+]
+# Tensors some checkpoints carry that the model recomputes instead (older transformers saved rotary tables).
+IGNORABLE = re.compile(r"(.+\.)?rotary_emb\.inv_freq")
+
+
+def _pattern(template: str) -> re.Pattern:
+    return re.compile(re.escape(template).replace(r"\{i\}", r"(?P<i>\d+)").replace(r"\{p\}", r"(?P<p>[a-z]+_proj)"))
+
+
+_HF_TO_OURS = [(_pattern(hf), ours) for hf, ours in NAME_MAP]
+_OURS_TO_HF = [(_pattern(ours), hf) for hf, ours in NAME_MAP]
+
+
+def _rename(name: str, table: list[tuple[re.Pattern, str]]) -> str | None:
+    for pattern, template in table:
+        if m := pattern.fullmatch(name):
+            return template.format(**m.groupdict())
+    return None
+
+
+def hf_to_ours(name: str) -> str | None:
+    """Our parameter name for a tensor name in a checkpoint (Hugging Face or already ours); None if unknown."""
+    if _rename(name, _OURS_TO_HF) is not None:  # already one of our names (files written by save_weights)
+        return name
+    return _rename(name, _HF_TO_OURS)
+
+
+def ours_to_hf(name: str) -> str | None:
+    """The Hugging Face name of one of our parameters (a Hugging Face name is returned as is); None if unknown."""
+    if _rename(name, _HF_TO_OURS) is not None:
+        return name
+    return _rename(name, _OURS_TO_HF)
+
+
+# --- reading checkpoint files --------------------------------------------------------------------------------------
+
+
+class CheckpointError(ValueError):
+    """A checkpoint that cannot be read or does not fit the model; the message names the file and the tensors."""
+
+
+_DTYPES = {
+    "BF16": torch.bfloat16,
+    "F16": torch.float16,
+    "F32": torch.float32,
+    "F64": torch.float64,
+    "I64": torch.int64,
+    "I32": torch.int32,
+    "I16": torch.int16,
+    "I8": torch.int8,
+    "U8": torch.uint8,
+    "BOOL": torch.bool,
+}
+
+
+@dataclass(frozen=True)
+class TensorInfo:
+    """Where one tensor lives: file, absolute byte offset, dtype and shape, as the safetensors header says."""
+
+    name: str
+    file: Path
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+    offset: int
+    nbytes: int
+
+
+def read_header(file: str | Path) -> dict[str, TensorInfo]:
+    """Parse a safetensors header (8-byte little-endian length, then JSON) and check it against the file's size.
+
+    We read the format ourselves instead of through `safetensors.safe_open`: safe_open memory-maps the whole file,
+    and every page it touches stays in our resident memory until the file is closed, which would add a full shard
+    to the peak when converting. Plain reads go through the page cache into the destination tensor and add nothing.
+    """
+    file = Path(file)
+    size = file.stat().st_size
+    with open(file, "rb") as f:
+        head = f.read(8)
+        n = int.from_bytes(head, "little") if len(head) == 8 else -1
+        if not 0 < n <= size - 8:
+            why = f"header length {n}, file {size} bytes"
+            raise CheckpointError(f"{file} is truncated or not a safetensors file ({why})")
+        try:
+            header = json.loads(f.read(n))
+        except (UnicodeDecodeError, json.JSONDecodeError) as e:
+            raise CheckpointError(f"{file} is corrupt: its safetensors header is not valid JSON ({e})") from None
+    tensors = {}
+    for name, spec in header.items():
+        if name == "__metadata__":
+            continue
+        try:
+            dtype, shape, (begin, end) = _DTYPES[spec["dtype"]], tuple(spec["shape"]), spec["data_offsets"]
+        except (KeyError, TypeError, ValueError):
+            raise CheckpointError(f"{file} is corrupt or has an unsupported dtype: entry {name}: {spec}") from None
+        nbytes = dtype.itemsize * int(torch.Size(shape).numel())
+        if end - begin != nbytes:
+            raise CheckpointError(f"{file} is corrupt: {name} {list(shape)} {spec['dtype']} spans {end - begin} bytes")
+        if 8 + n + end > size:
+            raise CheckpointError(
+                f"{file} is truncated: {name} ends at byte {8 + n + end} but the file has {size} bytes "
+                "(an interrupted download or copy? fetch the file again)"
+            )
+        tensors[name] = TensorInfo(name, file, dtype, shape, 8 + n + begin, nbytes)
+    return tensors
+
+
+def find_checkpoint_files(path: str | Path) -> list[Path]:
+    """The safetensors files of a checkpoint: a directory in Hugging Face layout, an index json, or one file."""
+    path = Path(path)
+    if not path.exists():
+        raise FileNotFoundError(f"no checkpoint at {path} (get one with: python -m llama_scratch.download REPO_ID)")
+    if path.is_file() and path.suffix == ".safetensors":
+        return [path]
+    index = path if path.is_file() else path / "model.safetensors.index.json"
+    if index.is_file():
+        try:
+            weight_map = json.loads(index.read_text())["weight_map"]
+        except (json.JSONDecodeError, KeyError, TypeError) as e:
+            raise CheckpointError(f"{index} is not a valid safetensors index (no readable weight_map: {e})") from None
+        files = [index.parent / name for name in dict.fromkeys(weight_map.values())]
+        if missing := [f.name for f in files if not f.is_file()]:
+            raise CheckpointError(f"{index} lists shard(s) missing from {index.parent}: {', '.join(missing)}")
+        return files
+    if (path / "model.safetensors").is_file():
+        return [path / "model.safetensors"]
+    if files := sorted(path.glob("*.safetensors")):
+        return files
+    raise FileNotFoundError(
+        f"no safetensors weights in {path} (expected model.safetensors or model.safetensors.index.json; "
+        "Meta's original consolidated.*.pth format is not supported)"
+    )
+
+
+# --- loading -------------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class LoadReport:
+    """What `load_weights` did: how many tensors and bytes it loaded, and what it left out and why."""
+
+    loaded: int = 0
+    bytes: int = 0
+    seconds: float = 0.0
+    files: list[Path] = field(default_factory=list)
+    skipped: list[str] = field(default_factory=list)  # tensors in the files that were not loaded, with the reason
+    missing: list[str] = field(default_factory=list)  # parameters the files lacked (only with strict=False)
+
+    def __str__(self) -> str:
+        s = f"loaded {self.loaded} tensors ({self.bytes / 2**30:.2f} GiB) from {len(self.files)} file(s)"
+        s += f" in {self.seconds:.1f} s"
+        if self.skipped:
+            s += f"; skipped {len(self.skipped)}: {', '.join(self.skipped)}"
+        if self.missing:
+            s += f"; missing {len(self.missing)}: {', '.join(self.missing)}"
+        return s
+
+
+def load_weights(
+    model: Llama,
+    path: str | Path,
+    device: str | torch.device | None = None,
+    strict: bool = True,
+    progress: bool | None = None,
+    mmap: bool = True,
+) -> LoadReport:
+    """Stream a checkpoint's tensors into `model`, one at a time, converting each to its parameter's dtype.
+
+    A parameter on the meta device (or on another device than `device`) gets a fresh tensor on `device`, filled
+    from the file and put in place under every alias (tied embeddings stay tied); a materialized parameter already
+    on `device` is overwritten in place, keeping its identity (optimizer and DDP references stay valid). Bytes are
+    read straight into a CPU parameter of the file's dtype, otherwise through one temporary CPU tensor; with `mmap`,
+    a new CPU parameter of the file's dtype maps the file instead (see the module docstring; pass False if the files
+    may be overwritten in place while the model lives). `device` None: where the parameters are, CPU for meta ones.
+
+    With `strict`, missing, unexpected and wrongly shaped tensors are all reported in one CheckpointError before
+    any data is read; without, they are skipped and the missing parameters initialized as for training (listed in
+    the report). `progress` None shows the bar on rank 0 only (the RANK environment variable).
+    """
+    start = time.perf_counter()
+    files = find_checkpoint_files(path)
+    report = LoadReport(files=files)
+    params = dict(model.named_parameters())  # a tied lm_head.weight is not listed: it is embed_tokens.weight
+    entries, unexpected = _match(files, params, report)
+    tied_head = entries.pop("lm_head.weight", None) if "lm_head.weight" not in params else None
+    missing = [n for n in params if n not in entries]
+    wrong = [n for n, e in entries.items() if tuple(params[n].shape) != e.shape]
+    if strict and (missing or unexpected or wrong):
+        raise CheckpointError(_describe(path, params, entries, missing, unexpected, wrong))
+    for n in wrong:  # strict=False: the parameter is treated as missing
+        e = entries.pop(n)
+        report.skipped.append(f"{e.name} (shape {list(e.shape)}, expected {list(params[n].shape)})")
+        missing.append(n)
+    report.skipped += [f"{e.name} (not a model parameter)" for e in unexpected]
+
+    device = _normalize(device)
+    aliases = _aliases(model)
+    show = progress if progress is not None else int(os.environ.get("RANK", "0")) == 0
+    total = sum(e.nbytes for e in entries.values())
+    from tqdm.auto import tqdm
+
+    bar = tqdm(total=total, unit="B", unit_scale=True, unit_divisor=1024, desc="loading weights", disable=not show)
+    with bar:
+        for file in files:
+            todo = sorted((e.offset, n) for n, e in entries.items() if e.file == file)
+            mapped: list[torch.UntypedStorage] = []  # the whole file, mapped privately on first need
+            with open(file, "rb", buffering=0) as fh:
+                for _, name in todo:
+                    _load_one(fh, entries[name], params[name], aliases, device, mapped if mmap else None)
+                    report.loaded += 1
+                    report.bytes += entries[name].nbytes
+                    bar.update(entries[name].nbytes)
+    if tied_head is not None:
+        _check_tied_head(tied_head, model.embed_tokens.weight, strict, report)
+    for name in missing:
+        report.missing.append(name)
+        _init_missing(params[name], aliases, device)
+    _materialize_buffers(model, device or model.embed_tokens.weight.device)
+    report.seconds = time.perf_counter() - start
+    return report
+
+
+def _match(files: list[Path], params: dict, report: LoadReport) -> tuple[dict[str, TensorInfo], list[TensorInfo]]:
+    """Map every tensor in the files to a parameter name; set aside the ignorable and the unknown."""
+    entries: dict[str, TensorInfo] = {}
+    unexpected = []
+    for file in files:
+        for e in read_header(file).values():
+            ours = hf_to_ours(e.name)
+            if ours in entries:
+                raise CheckpointError(f"{e.name} appears twice: in {entries[ours].file} and in {file}")
+            if ours in params or (ours == "lm_head.weight" and "embed_tokens.weight" in params):
+                entries[ours] = e
+            elif IGNORABLE.fullmatch(e.name):
+                report.skipped.append(f"{e.name} (recomputed by the model)")
+            else:
+                unexpected.append(e)
+    return entries, unexpected
+
+
+def _describe(path, params: dict, entries: dict, missing: list, unexpected: list, wrong: list) -> str:
+    lines = [f"checkpoint {path} does not fit the model ({len(missing) + len(unexpected) + len(wrong)} problems):"]
+    lines += [f"  missing: {n} (expected shape {list(params[n].shape)}, file name {ours_to_hf(n)})" for n in missing]
+    lines += [f"  unexpected: {e.name} (shape {list(e.shape)}) in {e.file}" for e in unexpected]
+    for n in wrong:
+        e = entries[n]
+        found = f"found {list(e.shape)} ({e.name} in {e.file})"
+        lines.append(f"  shape mismatch: {n} expects {list(params[n].shape)}, {found}")
+    if missing and all(n == "lm_head.weight" for n in missing):
+        lines.append("  (no lm_head.weight: was this checkpoint saved with tie_word_embeddings=true?)")
+    return "\n".join(lines)
+
+
+def _normalize(device: str | torch.device | None) -> torch.device | None:
+    if device is None:
+        return None
+    device = torch.device(device)
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    return device
+
+
+def _aliases(model: nn.Module) -> dict[int, list[tuple[nn.Module, str]]]:
+    """Every (module, attribute) through which each parameter is reachable, so that a tie survives replacement."""
+    found: dict[int, list[tuple[nn.Module, str]]] = {}
+    for module in model.modules():
+        for attr, p in module._parameters.items():
+            if p is not None:
+                found.setdefault(id(p), []).append((module, attr))
+    return found
+
+
+def _load_one(fh, e: TensorInfo, param: nn.Parameter, aliases: dict, device: torch.device | None, mapped) -> None:
+    target = device or (param.device if not param.is_meta else torch.device("cpu"))
+    in_place = not param.is_meta and param.device == target and param.is_contiguous()
+    # safetensors aligns each tensor's data to its dtype; a file from a writer that did not gets a copy instead
+    aligned = e.offset % e.dtype.itemsize == 0
+    if mapped is not None and not in_place and target.type == "cpu" and param.dtype == e.dtype and aligned:
+        if not mapped:
+            mapped.append(torch.UntypedStorage.from_file(str(e.file), shared=False, nbytes=e.file.stat().st_size))
+        _put(param, torch.empty(0, dtype=e.dtype).set_(mapped[0], e.offset // e.dtype.itemsize, e.shape), aliases)
+        return
+    dest = param.data if in_place else torch.empty(param.shape, dtype=param.dtype, device=target)
+    with torch.no_grad():
+        if dest.device.type == "cpu" and dest.dtype == e.dtype:
+            _read_into(fh, e, dest)
+        else:
+            staged = torch.empty(e.shape, dtype=e.dtype)
+            _read_into(fh, e, staged)
+            dest.copy_(staged)
+            del staged
+    if not in_place:
+        _put(param, dest, aliases)
+
+
+def _put(old: nn.Parameter, data: torch.Tensor, aliases: dict) -> nn.Parameter:
+    """Swap a parameter for one holding `data`, under every name it has (a tied embedding stays tied)."""
+    new = nn.Parameter(data, requires_grad=old.requires_grad)
+    places = aliases.pop(id(old))
+    for module, attr in places:
+        module._parameters[attr] = new
+    aliases[id(new)] = places
+    return new
+
+
+def _read_into(fh, e: TensorInfo, out: torch.Tensor) -> None:
+    """Fill the contiguous CPU tensor `out` with the tensor's bytes, read straight from the file into its memory."""
+    view = memoryview(out.reshape(-1).view(torch.uint8).numpy())
+    fh.seek(e.offset)
+    done = 0
+    while done < e.nbytes:  # one read returns at most ~2 GiB on Linux
+        n = fh.readinto(view[done:])
+        if not n:
+            raise CheckpointError(f"{e.file} is truncated: unexpected end of file while reading {e.name}")
+        done += n
+
+
+def _check_tied_head(e: TensorInfo, embed: torch.Tensor, strict: bool, report: LoadReport) -> None:
+    """A tied model ignores a stored lm_head.weight, but only silently if it equals the embedding."""
+    staged = torch.empty(e.shape, dtype=e.dtype)
+    with open(e.file, "rb", buffering=0) as fh:
+        _read_into(fh, e, staged)
+    if e.shape == tuple(embed.shape) and torch.equal(staged.to(embed.device, embed.dtype), embed):
+        report.skipped.append(f"{e.name} (equal to the tied embedding)")
+        return
+    why = f"{e.name} in {e.file} differs from model.embed_tokens.weight, but the config ties them"
+    if strict:
+        raise CheckpointError(f"{why}; set tie_word_embeddings=false in config.json (LlamaConfig.tie_embeddings)")
+    report.skipped.append(f"{e.name} (differs from the tied embedding; tie kept)")
+
+
+def _init_missing(param: nn.Parameter, aliases: dict, device: torch.device | None) -> None:
+    """strict=False: a parameter the file lacked still leaves the meta device, initialized as for training."""
+    if not param.is_meta and (device is None or param.device == device):
+        return
+    target = device or torch.device("cpu")
+    if not param.is_meta:
+        _put(param, param.data.to(target), aliases)
+        return
+    data = torch.empty(param.shape, dtype=param.dtype, device=target)
+    if data.dim() == 1:  # RMSNorm gains start at one; matrices as in model._init_weights
+        data.fill_(1.0)
+    else:
+        data.normal_(0.0, 0.02)
+    _put(param, data, aliases)
+
+
+def _materialize_buffers(model: nn.Module, device: torch.device) -> None:
+    """Bring meta buffers to the device. Ours are the rotary tables, which RotaryEmbedding recomputes (float32)."""
+    for module in model.modules():
+        if any(b.is_meta for b in module.buffers(recurse=False)):
+            module.to_empty(device=device, recurse=False)
+    if left := [n for n, t in [*model.named_parameters(), *model.named_buffers()] if t.is_meta]:
+        raise RuntimeError(f"still on the meta device after loading: {', '.join(left)}")
+
+
+def load_model(
+    path_or_preset: str | Path,
+    device: str | torch.device | None = None,
+    dtype: str | torch.dtype | None = None,
+    progress: bool | None = None,
+) -> Llama:
+    """A ready model: a checkpoint directory (or file) built on meta and loaded onto `device`; a Hugging Face repo
+    id (weights/NAME if the download command put it there, else fetched into the Hugging Face cache); or a preset
+    name, freshly initialized on `device`. `dtype` None or "auto" keeps the checkpoint's."""
+    from .download import default_dir, fetch
+
+    device = torch.device(device or "cpu")
+    name = str(path_or_preset)
+    if name in PRESETS and not Path(name).exists():
+        cfg = LlamaConfig.from_name(name)
+        if dtype not in (None, "auto"):
+            cfg = dataclasses.replace(cfg, dtype=parse_dtype(dtype))
+        with device:
+            return Llama(cfg)
+    path = Path(name)
+    if not path.exists() and re.fullmatch(r"[\w.-]+/[\w.-]+", name):
+        path = default_dir(name) if (default_dir(name) / "config.json").is_file() else fetch(name)
+    if not path.exists():
+        raise FileNotFoundError(f"{name!r} is neither a checkpoint path nor a preset ({', '.join(PRESETS)})")
+    cfg = LlamaConfig.from_hf(path if path.is_dir() else path.parent)
+    if dtype not in (None, "auto"):
+        cfg = dataclasses.replace(cfg, dtype=parse_dtype(dtype))
+    with torch.device("meta"):
+        model = Llama(cfg)
+    load_weights(model, path, device=device, progress=progress)
+    return model
+
+
+# --- saving ----------------------------------------------------------------------------------------------------------
+
+
+def save_weights(state: dict[str, torch.Tensor], path: str | Path, metadata: dict | None = None) -> Path:
+    """Write tensors to a safetensors file atomically: a temporary name in the same directory, then a rename.
+
+    An interrupted save leaves the previous file untouched and no partial file behind. Entries that are the
+    same tensor under two names (tied embeddings) are written once, under the first name.
+    """
+    from safetensors.torch import save_file
+
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tensors: dict[str, torch.Tensor] = {}
+    seen = set()
+    for name, t in state.items():
+        key = (t.device, t.data_ptr(), t.dtype, tuple(t.shape), t.stride())
+        if t.numel() and key in seen:
+            continue
+        seen.add(key)
+        tensors[name] = t.detach().contiguous()
+    meta = {"format": "pt", **{k: v if isinstance(v, str) else json.dumps(v) for k, v in (metadata or {}).items()}}
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    try:
+        save_file(tensors, tmp, metadata=meta)
+        _fsync(tmp)
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
+    return path
+
+
+def _fsync(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _write_text_atomic(path: Path, text: str) -> None:
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    try:
+        tmp.write_text(text)
+        _fsync(tmp)
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
+
+
+def save_checkpoint(
+    state_or_model: dict[str, torch.Tensor] | nn.Module,
+    cfg: LlamaConfig,
+    out_dir: str | Path,
+    max_shard_bytes: int | None = None,
+) -> Path:
+    """Write a checkpoint in Hugging Face layout (config.json and model.safetensors, or shards and an index) that
+    both `load_weights` and transformers' `from_pretrained` read. Keys may be our names or Hugging Face's."""
+    state = state_or_model.state_dict() if isinstance(state_or_model, nn.Module) else dict(state_or_model)
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    tensors = {}
+    for name, t in state.items():
+        hf = ours_to_hf(name)
+        if hf is None:
+            raise ValueError(f"save_checkpoint writes Llama weights; {name!r} is not a Llama parameter")
+        if not (hf == "lm_head.weight" and cfg.tie_embeddings):  # a tied head is the embedding, stored once
+            tensors[hf] = t
+    shards: list[dict[str, torch.Tensor]] = [{}]
+    size = 0
+    for name, t in tensors.items():
+        nbytes = t.numel() * t.element_size()
+        if max_shard_bytes and shards[-1] and size + nbytes > max_shard_bytes:
+            shards.append({})
+            size = 0
+        shards[-1][name] = t
+        size += nbytes
+    if len(shards) == 1:
+        names = ["model.safetensors"]
+    else:
+        names = [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
+    for shard, name in zip(shards, names, strict=True):
+        save_weights(shard, out / name)
+    written = set(names) | {"config.json"}
+    if len(shards) > 1:
+        total = sum(t.numel() * t.element_size() for t in tensors.values())
+        weight_map = {n: f for shard, f in zip(shards, names, strict=True) for n in shard}
+        index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+        _write_text_atomic(out / "model.safetensors.index.json", json.dumps(index, indent=2) + "\n")
+        written.add("model.safetensors.index.json")
+    _write_text_atomic(out / "config.json", json.dumps(cfg.to_hf_dict(), indent=2) + "\n")
+    for stale in [*out.glob("model*.safetensors"), out / "model.safetensors.index.json"]:
+        if stale.name not in written:  # left from an earlier save with other sharding; would shadow the new one
+            stale.unlink(missing_ok=True)
+    return out
