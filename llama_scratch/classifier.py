@@ -3,21 +3,52 @@
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
-from .model import Llama
+from .model import Block, Llama, apply_rotary
 
 
-def last_real_token(hidden: torch.Tensor, attention_mask: torch.Tensor | None) -> torch.Tensor:
-    """[B, T, dim] -> [B, dim]: the vector at each row's last real position, whichever side the padding is on.
+def last_real_positions(attention_mask: torch.Tensor | None, batch: int, seq_len: int, device) -> torch.Tensor:
+    """[B] index of each row's last real token, whichever side the padding is on.
 
     In a causal model only the last token has read the whole text, so it is the one that can summarise it.
     """
     if attention_mask is None:
-        return hidden[:, -1]
-    positions = torch.arange(hidden.shape[1], device=hidden.device)
-    last = (attention_mask.to(hidden.device).long() * positions).argmax(-1)  # largest position whose mask is 1
+        return torch.full((batch,), seq_len - 1, device=device)
+    positions = torch.arange(seq_len, device=device)
+    return (attention_mask.to(device).long() * positions).argmax(-1)  # the largest position whose mask is 1
+
+
+def last_real_token(hidden: torch.Tensor, attention_mask: torch.Tensor | None) -> torch.Tensor:
+    """[B, T, dim] -> [B, dim]: the vector at each row's last real position."""
+    last = last_real_positions(attention_mask, hidden.shape[0], hidden.shape[1], hidden.device)
     return hidden[torch.arange(hidden.shape[0], device=hidden.device), last]
+
+
+def last_block_at(
+    block: Block, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], attention_mask, last: torch.Tensor
+) -> torch.Tensor:
+    """The final block, computed only where the classifier reads it: each row's last real token. [B, dim]
+
+    Its keys and values still come from every position, but its query, attention output, feed-forward and
+    everything after run once per row instead of once per token. With `train_last=1` that is nearly all of the
+    work that needs a backward pass. The result equals `Block.forward` at those positions.
+    """
+    attn, (B, T, _) = block.attention, x.shape
+    rows = torch.arange(B, device=x.device)
+    h = block.attention_norm(x)
+    q = attn.q_proj(h[rows, last]).view(B, attn.n_heads, 1, attn.head_dim)  # one query per row
+    k = attn.k_proj(h).view(B, T, attn.n_kv_heads, attn.head_dim).transpose(1, 2)
+    v = attn.v_proj(h).view(B, T, attn.n_kv_heads, attn.head_dim).transpose(1, 2)
+    cos, sin = rope  # [1 or B, 1, T, head_dim / 2]
+    at_last = (cos.expand(B, -1, -1, -1)[rows, :, last, None], sin.expand(B, -1, -1, -1)[rows, :, last, None])
+    q, k = apply_rotary(q, *at_last), apply_rotary(k, cos, sin)
+    # The last real token may see every real token (all of them come at or before it).
+    keys = None if attention_mask is None else attention_mask.bool()[:, None, None, :]
+    out = F.scaled_dot_product_attention(q, k, v, attn_mask=keys, enable_gqa=attn.n_kv_heads != attn.n_heads)
+    x = x[rows, last] + attn.o_proj(out.reshape(B, -1))
+    return x + block.ffn(block.ffn_norm(x))
 
 
 class LlamaClassifier(nn.Module):
@@ -72,9 +103,15 @@ class LlamaClassifier(nn.Module):
         `frozen_states` [B, T, dim] replaces `input_ids` with the output of the frozen blocks, computed once
         beforehand (see `prefix_cache`), so that only the trained blocks run.
         """
-        if frozen_states is None:
-            hidden = self.backbone.hidden_states(input_ids, attention_mask)
-        else:
-            start = len(self.backbone.blocks) - self.train_last
-            hidden = self.backbone.final_norm(self.backbone.run_blocks(frozen_states, attention_mask, start=start))
-        return self.head(last_real_token(hidden, attention_mask))
+        backbone, n = self.backbone, len(self.backbone.blocks)
+        x = backbone.embed_tokens(input_ids) if frozen_states is None else frozen_states
+        start = 0 if frozen_states is None else n - self.train_last
+        B, T = x.shape[:2]
+        last = last_real_positions(attention_mask, B, T, x.device)
+        if start < n:  # every block but the last at all positions, then the last only where we read it
+            x = backbone.run_blocks(x, attention_mask, start=start, stop=n - 1)
+            rope, _ = backbone.attention_inputs(attention_mask, T, x.device)
+            pooled = last_block_at(backbone.blocks[-1], x, rope, attention_mask, last)
+        else:  # train_last=0 with a cache: the cached states already passed every block
+            pooled = x[torch.arange(B, device=x.device), last]
+        return self.head(backbone.final_norm(pooled))

