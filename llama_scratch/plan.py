@@ -1,0 +1,521 @@
+"""Memory planning: what one training process holds on its GPU, worked out before anything is allocated.
+
+Parameter counts come from the model built on the meta device, so they are exact. Activation sizes come from the
+model's own operations: each term below names the tensor autograd saves for backward (checked against
+`torch.autograd.graph.saved_tensors_hooks` in tests/test_plan.py), for full blocks and for the classifier's last
+block, which runs only at each row's last token. Working memory of a forward or backward step (tensors that live
+for one operation) is an estimate from the same shapes, checked on CPU against the live tensors of real steps; it
+is a small part of the peak. CUDA kernels may keep other temporaries than CPU ones: benchmarks/gpu_8b.py measures.
+
+One process (per GPU) holds, at its peak:
+  weights + optimizer state (+ DDP gradient buckets)                  always
+  + the largest of: the forward  (saved activations, one block's temporaries)
+                    the backward (activations not yet used, gradients so far, one block's temporaries)
+                    the optimizer step (all gradients, the step's temporaries)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from .classifier import LlamaClassifier
+from .config import PRESETS, LlamaConfig, parse_dtype
+from .model import Llama
+
+GiB = 2**30
+FP32 = 4  # bytes: RMSNorm and rotary embedding compute in float32 whatever the parameter dtype
+OPTIMIZER_STATES = ("param", "float32")  # see train.make_optimizer
+
+
+@dataclass(frozen=True)
+class Recipe:
+    """What a training run looks like to memory. `batch_size` is per process (per GPU)."""
+
+    cfg: LlamaConfig
+    batch_size: int
+    seq_len: int
+    train_last: int | None = 1  # None: everything trains
+    num_classes: int = 2
+    dtype: torch.dtype | None = None  # parameter dtype; None: the config's
+    optimizer_state: str = "param"  # "param": AdamW moments in the parameter dtype; "float32": fp32 master + moments
+    gradient_checkpointing: bool = False
+    world_size: int = 1  # DDP: every process holds a full replica, so this only adds the gradient buckets
+    grad_accum: int = 1  # >1: gradients stay allocated through the next micro-batch's forward
+    device_type: str = "cuda"  # "cuda": fused AdamW and the flash attention layout; "cpu": what CPU kernels do
+
+    def __post_init__(self) -> None:
+        if self.optimizer_state not in OPTIMIZER_STATES:
+            raise ValueError(f"optimizer_state must be one of {OPTIMIZER_STATES}, got {self.optimizer_state!r}")
+        if self.batch_size < 1 or self.seq_len < 1:
+            raise ValueError(f"batch size and sequence length must be positive, got {self.batch_size}, {self.seq_len}")
+
+    @property
+    def param_dtype(self) -> torch.dtype:
+        return parse_dtype(self.dtype) if self.dtype is not None else self.cfg.dtype
+
+    @property
+    def trained_blocks(self) -> int:
+        return self.cfg.n_layers if self.train_last is None else self.train_last
+
+
+@dataclass(frozen=True)
+class ParamCounts:
+    """Parameter counts of the classifier (tied weights once), from the model on the meta device."""
+
+    total: int  # backbone + head
+    backbone: int
+    head: int
+    trainable: int
+    block: int  # one transformer block
+    embedding: int
+    largest_trainable: int  # elements of the largest trainable tensor
+    buffer_bytes: int  # the rotary tables (float32, not in the checkpoint)
+
+
+def count_parameters(cfg: LlamaConfig, train_last: int | None = 1, num_classes: int = 2) -> ParamCounts:
+    """Build the classifier on the meta device (no memory) and count what it holds and what trains."""
+    with torch.device("meta"):
+        clf = LlamaClassifier(Llama(cfg), num_classes=num_classes, train_last=train_last)
+    trainable = list(clf.trainable_parameters().values())
+    return ParamCounts(
+        total=sum(p.numel() for p in clf.parameters()),
+        backbone=sum(p.numel() for p in clf.backbone.parameters()),
+        head=clf.head.weight.numel(),
+        trainable=sum(p.numel() for p in trainable),
+        block=sum(p.numel() for p in clf.backbone.blocks[0].parameters()),
+        embedding=clf.backbone.embed_tokens.weight.numel(),
+        largest_trainable=max((p.numel() for p in trainable), default=0),
+        buffer_bytes=sum(b.numel() * FP32 for b in clf.backbone.buffers()),
+    )
+
+
+# --- activations: what autograd saves, operation by operation ---------------------------------------------------
+
+
+def block_saved_bytes(cfg: LlamaConfig, batch: int, seq: int, itemsize: int, input_grad: bool, device_type: str) -> int:
+    """Bytes one trained block saves for backward (see model.Block), at parameter size `itemsize`.
+
+    `input_grad`: whether the block's input needs a gradient. The lowest trained block's input comes from frozen
+    layers, so its first norm keeps only what its gain's gradient needs.
+    """
+    n, d, f = batch * seq, cfg.dim, cfg.ffn_dim
+    q, kv = cfg.n_heads * cfg.head_dim, cfg.n_kv_heads * cfg.head_dim
+    # RMSNorm: the float32 input (for x.pow) and 1/rms (only when the input needs a gradient), the normalised
+    # vector (for the gain's gradient) and the norm's output (for the projections' weight gradients).
+    norm_for_input = FP32 * n * d + FP32 * n
+    norm = 2 * itemsize * n * d
+    attn_norm = norm + (norm_for_input if input_grad else 0)
+    # Attention: SDPA (flash) keeps q and k after rotation, v, its output and the log-sum-exp of each query row.
+    # Rotary keeps only its cos/sin tables (shared by all blocks, see shared_saved_bytes).
+    attention = itemsize * n * (2 * q + 2 * kv) + FP32 * batch * cfg.n_heads * seq
+    if device_type != "cuda":
+        attention += itemsize * n * q  # the CPU kernel's output is [B, H, T, hd]: o_proj's input is a copy
+    # SwiGLU: gate output (for silu), silu(gate) and up (for the product), the product (for down's weight).
+    ffn = 4 * itemsize * n * f
+    return attn_norm + attention + norm + norm_for_input + ffn
+
+
+def last_block_saved_bytes(
+    cfg: LlamaConfig, batch: int, seq: int, itemsize: int, input_grad: bool, device_type: str
+) -> int:
+    """Bytes the classifier's last block saves. It runs only where the classifier reads it (classifier.last_block_at):
+    its attention norm and keys and values at every position, the rest at each row's last real token."""
+    n, b, d, f = batch * seq, batch, cfg.dim, cfg.ffn_dim
+    q, kv = cfg.n_heads * cfg.head_dim, cfg.n_kv_heads * cfg.head_dim
+    # Every position: the norm (as in a full block) and its output, read by k_proj and v_proj.
+    everywhere = 2 * itemsize * n * d + ((FP32 * n * d + FP32 * n) if input_grad else 0)
+    if device_type == "cuda":
+        # A boolean key mask with grouped-query attention: planned as SDPA's math kernel, the worst case (float32,
+        # keys and values repeated for every query head, kept with the float32 query and the softmax). Where torch
+        # picks its memory-efficient kernel instead, k and v are kept as they are: less. Unmeasured on a GPU.
+        everywhere += 2 * FP32 * n * q
+        attention = FP32 * b * q + FP32 * b * cfg.n_heads * seq + itemsize * b * q  # + o_proj's input
+    else:
+        # The CPU kernel keeps k and v as they are, the mask (in the model's dtype), q, out and the log-sum-exp.
+        everywhere += 2 * itemsize * n * kv
+        attention = itemsize * b * seq + 2 * itemsize * b * q + FP32 * b * cfg.n_heads
+    # One row each: q_proj's input, row and position indices, cos/sin at the last token, the feed-forward norm
+    # (float32 input, 1/rms, normalised, output) and the SwiGLU's four [ffn_dim] vectors.
+    rows = itemsize * b * d + 16 * b + FP32 * b * cfg.head_dim + FP32 * b * (d + 1) + 2 * itemsize * b * d
+    return everywhere + attention + rows + 4 * itemsize * b * f
+
+
+def shared_saved_bytes(r: Recipe, itemsize: int) -> dict[str, int]:
+    """Saved tensors outside the blocks: rotary tables, final norm, head, loss."""
+    n, b, d = r.batch_size * r.seq_len, r.batch_size, r.cfg.dim
+    out = {}
+    # Rotary cos and sin, [B, 1, T, head_dim / 2] float32 each (training passes an attention mask: per-row positions),
+    # one pair for the full blocks and one the classifier builds for the last block.
+    out["rotary tables"] = FP32 * n * r.cfg.head_dim * (min(r.trained_blocks, 1) + (r.trained_blocks > 1))
+    # Final norm at each row's last token; its input needs a gradient only if the last block trains.
+    out["final norm"] = itemsize * b * d + ((FP32 * b * d + FP32 * b) if r.trained_blocks else 0)
+    # Head input (the final norm's output), the float32 logits' log-softmax.
+    out["head"] = itemsize * b * d + 2 * FP32 * b * r.num_classes
+    if r.train_last is None:
+        out["token ids"] = 8 * n  # the embedding keeps its int64 indices
+    return out
+
+
+def block_forward_work(cfg: LlamaConfig, batch: int, seq: int, itemsize: int) -> int:
+    """Temporaries at the peak of a forward through a block that saves nothing (frozen, or checkpointed).
+
+    The SwiGLU product is the largest step: silu(gate), up and their product, with the block's input, its
+    mid-block residual and the norm output alive around it. Attention's peak is the float32 rotary arithmetic.
+    Throughout: the rotary tables, and the embedding output, which the classifier holds until the blocks return.
+    """
+    n, d, f = batch * seq, cfg.dim, cfg.ffn_dim
+    q, kv = cfg.n_heads * cfg.head_dim, cfg.n_kv_heads * cfg.head_dim
+    ffn = 3 * itemsize * n * f + 3 * itemsize * n * d
+    attention = 2 * itemsize * n * d + itemsize * n * (q + 2 * kv) + 3 * FP32 * n * q
+    norm = 3 * FP32 * n * d + 2 * itemsize * n * d
+    return max(ffn, attention, norm) + FP32 * n * cfg.head_dim + itemsize * n * d
+
+
+def trained_forward_work(cfg: LlamaConfig, batch: int, seq: int) -> int:
+    """Temporaries of a trained block's forward beyond what it saves: the float32 rotary arithmetic on q."""
+    return 2 * FP32 * batch * seq * cfg.n_heads * cfg.head_dim
+
+
+def backward_work(cfg: LlamaConfig, batch: int, seq: int, itemsize: int, device_type: str) -> dict[str, int]:
+    """Gradient temporaries of a block's backward beyond its saved tensors and weight gradients, at its two peaks.
+
+    start: the gradient flowing down the residual stream and two of the SwiGLU's [tokens, ffn_dim] gradients (or
+    flash attention's dq, dk, dv over all heads and its float32 dq accumulator, if larger). end: the attention
+    norm's float32 arithmetic (five [tokens, dim] float32 tensors when its input needs a gradient, measured) and
+    the gradient of the block's input. The last block's start is small: only its keys and values span every
+    position (on CUDA the math kernel's float32 dk and dv over all heads).
+    """
+    n, d, f = batch * seq, cfg.dim, cfg.ffn_dim
+    q, kv = cfg.n_heads * cfg.head_dim, cfg.n_kv_heads * cfg.head_dim
+    return {
+        "start": itemsize * n * d + max(2 * itemsize * n * f, 3 * itemsize * n * q + FP32 * n * q),
+        "last start": 2 * FP32 * n * q if device_type == "cuda" else 2 * itemsize * n * kv,
+        "end": 5 * FP32 * n * d + itemsize * n * d,
+        "end, input frozen": 2 * itemsize * n * d,
+    }
+
+
+def norm_saved_bytes(cfg: LlamaConfig, batch: int, seq: int, itemsize: int, input_grad: bool) -> int:
+    """What a block's attention norm saves (the last thing its backward reaches)."""
+    n, d = batch * seq, cfg.dim
+    return 2 * itemsize * n * d + ((FP32 * n * d + FP32 * n) if input_grad else 0)
+
+
+# --- the plan ---------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class Row:
+    name: str
+    bytes: int
+    note: str = ""
+
+
+@dataclass
+class MemoryPlan:
+    """Bytes per process: the parts, the peak and the phase it falls in."""
+
+    recipe: Recipe
+    counts: ParamCounts
+    weights: int
+    gradients: int
+    optimizer_state: int
+    ddp_buckets: int
+    activations: int  # everything saved for backward at the end of the forward
+    block_activations: int  # a full block's saved set (what checkpointing recomputes one block at a time)
+    last_block_activations: int  # the classifier's last block, which runs at the pooled tokens
+    forward_work: int
+    backward_work: int
+    step_work: int
+    frozen_forward: int  # the transient peak of a frozen block's forward
+    phases: dict[str, int] = field(default_factory=dict)
+
+    @property
+    def persistent(self) -> int:
+        return self.weights + self.optimizer_state + self.ddp_buckets
+
+    @property
+    def peak(self) -> int:
+        return self.persistent + max(self.phases.values())
+
+    @property
+    def peak_phase(self) -> str:
+        return max(self.phases, key=self.phases.get)
+
+    def required(self) -> int:
+        """The GPU memory to ask for: the peak plus room for the CUDA context and allocator fragmentation."""
+        return int(self.peak * 1.05) + GiB // 2
+
+    def fits(self, gpu_bytes: int) -> bool:
+        return self.required() <= gpu_bytes
+
+    def as_dict(self) -> dict:
+        r = self.recipe
+        return {
+            "model_params": self.counts.backbone,
+            "trainable_params": self.counts.trainable,
+            "batch_size": r.batch_size,
+            "seq_len": r.seq_len,
+            "train_last": r.train_last,
+            "dtype": str(r.param_dtype).removeprefix("torch."),
+            "optimizer_state": r.optimizer_state,
+            "gradient_checkpointing": r.gradient_checkpointing,
+            "world_size": r.world_size,
+            **{k: getattr(self, k) for k in ("weights", "gradients", "optimizer_state", "ddp_buckets")},
+            **{k: getattr(self, k) for k in ("activations", "forward_work", "backward_work", "step_work")},
+            "frozen_forward": self.frozen_forward,
+            "phases": dict(self.phases),
+            "peak": self.peak,
+            "required": self.required(),
+        }
+
+
+def plan_memory(r: Recipe) -> MemoryPlan:
+    """Bytes one process needs for the recipe, part by part, and its peak."""
+    cfg = dataclasses.replace(r.cfg, dtype=r.param_dtype)
+    s = r.param_dtype.itemsize
+    counts = count_parameters(cfg, r.train_last, r.num_classes)
+    p = counts.trainable
+    k = r.trained_blocks
+    b, t = r.batch_size, r.seq_len
+
+    # Optimizer: torch's AdamW keeps exp_avg and exp_avg_sq in the parameter dtype; "float32" keeps both in float32
+    # next to a float32 master copy of each low-precision trained parameter (train.make_optimizer).
+    master = r.optimizer_state == "float32" and s < FP32
+    state_size = FP32 if r.optimizer_state == "float32" else s
+    optimizer_state = 2 * state_size * p + (FP32 * p if master else 0)
+    if master:
+        step_work = (FP32 - s) * p  # float32 gradients replace the low-precision ones, one tensor at a time
+    elif r.device_type == "cuda":
+        step_work = 0  # fused AdamW: no temporaries
+    else:
+        step_work = 3 * state_size * counts.largest_trainable  # per-tensor AdamW: sqrt(v), the quotient, ...
+
+    # Trained blocks: k - 1 full ones (checkpointed, if asked) and the classifier's last block, at the pooled rows.
+    full = max(k - 1, 0)
+    full_first = block_saved_bytes(cfg, b, t, s, r.train_last is None, r.device_type)
+    full_rest = block_saved_bytes(cfg, b, t, s, True, r.device_type)
+    block_full = full_rest if full > 1 or r.train_last is None else full_first
+    kept_per_block = s * b * t * cfg.dim if r.gradient_checkpointing else full_rest
+    kept_first = s * b * t * cfg.dim if r.gradient_checkpointing else full_first
+    last = last_block_saved_bytes(cfg, b, t, s, full > 0 or r.train_last is None, r.device_type) if k else 0
+    shared = sum(shared_saved_bytes(r, s).values())
+    activations = shared + last + (kept_first + (full - 1) * kept_per_block if full else 0)
+
+    grads = s * p
+    block_grads = s * counts.block
+    frozen_work = block_forward_work(cfg, b, t, s)
+    # A checkpointed block's forward runs like a frozen one: its internals are temporaries.
+    fwd_work = frozen_work if r.gradient_checkpointing else trained_forward_work(cfg, b, t)
+    work = backward_work(cfg, b, t, s, r.device_type)
+    held = grads if r.grad_accum > 1 else 0  # accumulating: the earlier micro-batches' gradients are all there
+    ckpt = r.gradient_checkpointing
+
+    # Backward, block by block from the top (the head's and final norm's gradients come first, the embedding's
+    # last). A block starts with all its saved tensors alive (a checkpointed one recomputes them next to its kept
+    # input), the gradients of the blocks above and its first weight gradient (down_proj's); it ends in its
+    # attention norm with only that norm's saved tensors left and all its weight gradients. Blocks below it still
+    # hold what they saved.
+    sweep = []  # (kept until its turn, alive at its start, alive at its end, start temporaries, end temporaries)
+    if k:
+        input_grad = full > 0 or r.train_last is None
+        end_work = work["end"] if input_grad else work["end, input frozen"]
+        sweep.append((last, last, norm_saved_bytes(cfg, b, t, s, input_grad), work["last start"], end_work))
+    for i in range(full):
+        bottom = i == full - 1
+        kept, saved = (kept_first, full_first) if bottom else (kept_per_block, full_rest)
+        input_grad = r.train_last is None or not bottom
+        at_end = norm_saved_bytes(cfg, b, t, s, input_grad) + (kept if ckpt else 0)
+        end_work = work["end"] if input_grad else work["end, input frozen"]
+        sweep.append((kept, saved + (kept if ckpt else 0), at_end, work["start"], end_work))
+    alive, done = activations, s * (counts.head + cfg.dim)  # head and final norm
+    backward = alive + max(held, done)
+    for kept, at_start, at_end, start_work, end_work in sweep:
+        alive -= kept
+        backward = max(backward, alive + at_start + max(held, done + s * cfg.dim * cfg.ffn_dim) + start_work)
+        done += block_grads
+        backward = max(backward, alive + at_end + max(held, done) + end_work)
+    backward = max(backward, alive + grads)  # the embedding's gradient, when everything trains
+    phases = {
+        "frozen forward": (frozen_work if k < cfg.n_layers else 0) + held,
+        "forward": activations + fwd_work + held,
+        "backward": backward,
+        "optimizer step": grads + step_work,
+    }
+    return MemoryPlan(
+        recipe=r,
+        counts=counts,
+        weights=s * counts.total + counts.buffer_bytes,
+        gradients=grads,
+        optimizer_state=optimizer_state,
+        ddp_buckets=s * p if r.world_size > 1 else 0,  # DDP's flat all-reduce buffers, a second copy of the grads
+        activations=activations,
+        block_activations=block_full if full else 0,
+        last_block_activations=last,
+        forward_work=fwd_work,
+        backward_work=max(work["start"] if full else work["last start"], work["end"]),
+        step_work=step_work,
+        frozen_forward=frozen_work if k < cfg.n_layers else 0,
+        phases=phases,
+    )
+
+
+# --- the GPU and the table ---------------------------------------------------------------------------------------
+
+
+def detect_gpu() -> tuple[str, int] | None:
+    """(name, total memory in bytes) of the current CUDA device, or None without one. Reads properties only."""
+    if not torch.cuda.is_available():
+        return None
+    props = torch.cuda.get_device_properties(torch.cuda.current_device())
+    return props.name, props.total_memory
+
+
+def _gib(n: int) -> str:
+    return f"{n / GiB:9.2f} GiB"
+
+
+def format_plan(plan: MemoryPlan, gpu: tuple[str, int] | None = None) -> str:
+    """A readable table: each part, the phases, the peak, and whether it fits `gpu` (name, bytes)."""
+    r, c = plan.recipe, plan.counts
+    s = r.param_dtype.itemsize
+    dtype = str(r.param_dtype).removeprefix("torch.")
+    trained = "all blocks and the embedding" if r.train_last is None else f"last {r.train_last} block(s)"
+    state = f"AdamW moments in {dtype}" if r.optimizer_state == "param" or s == FP32 else "float32 master + moments"
+    ckpt = ", gradient checkpointing" if r.gradient_checkpointing else ""
+    lines = [
+        f"Memory plan per GPU: batch {r.batch_size} x {r.seq_len} tokens, train {trained}{ckpt}, {dtype}, "
+        f"world size {r.world_size}",
+        f"  parameters {c.total:,} ({c.backbone:,} backbone + {c.head:,} head); training {c.trainable:,}",
+        "",
+        f"  {'part':<28}{'size':>13}   what",
+    ]
+
+    def row(name: str, n: int, what: str) -> None:
+        lines.append(f"  {name:<28}{_gib(n)}   {what}")
+
+    row("weights", plan.weights, f"{c.total:,} x {s} B + rotary tables")
+    row("optimizer state", plan.optimizer_state, f"{state}, {c.trainable:,} trained parameters")
+    if plan.ddp_buckets:
+        row("DDP gradient buckets", plan.ddp_buckets, "a second copy of the gradients for the all-reduce")
+    row("gradients", plan.gradients, f"{c.trainable:,} x {s} B, from backward to the optimizer step")
+    k = r.trained_blocks
+    if k > 1:
+        each = "inputs only" if r.gradient_checkpointing else f"{plan.block_activations / GiB:.2f} GiB each"
+        what = f"{k - 1} full block(s) ({each}) + the last block ({plan.last_block_activations / GiB:.2f} GiB)"
+    else:
+        what = f"the last block, run at each row's last token ({plan.last_block_activations / GiB:.2f} GiB)"
+    row("activations", plan.activations, f"saved for backward: {what if k else 'final norm and head'}")
+    if r.gradient_checkpointing and plan.block_activations:
+        row("  + recomputed block", plan.block_activations, "one block's saved tensors, rebuilt during backward")
+    if plan.frozen_forward:
+        frozen = r.cfg.n_layers - r.trained_blocks
+        row("frozen forward temporaries", plan.frozen_forward, f"{frozen} frozen block(s) save nothing; one at a time")
+    what = "a checkpointed block runs like a frozen one" if r.gradient_checkpointing else "float32 rotary arithmetic"
+    row("forward temporaries", plan.forward_work, f"beyond the saved tensors: {what}")
+    row("backward temporaries", plan.backward_work, "gradients of one block's activations")
+    if r.optimizer_state == "float32" and s < FP32:
+        step_note = "float32 gradients for the masters"
+    else:
+        step_note = "fused AdamW: none" if r.device_type == "cuda" else "per-tensor AdamW"
+    row("optimizer step temporaries", plan.step_work, step_note)
+    lines.append("")
+    persistent = plan.persistent
+    for phase, n in plan.phases.items():
+        if n:  # no frozen forward when everything trains
+            mark = "  <- peak" if phase == plan.peak_phase else ""
+            row(f"peak in {phase}", persistent + n, f"weights + state + {n / GiB:.2f} GiB{mark}")
+    row("PEAK", plan.peak, "max_memory_allocated() should come out near this" if r.device_type == "cuda" else
+        "bytes of live tensors (on CPU the allocator adds its own overhead)")  # fmt: skip
+    row("needed", plan.required(), "peak + 5% + 0.5 GiB (CUDA context, allocator fragmentation)")
+    if gpu is None:
+        lines.append("  no GPU detected: pass --gpu-memory GiB to check a fit")
+    else:
+        name, total = gpu
+        verdict = "FITS" if plan.fits(total) else "DOES NOT FIT"
+        spare = (total - plan.required()) / GiB
+        lines.append(f"  {verdict} on {name} ({total / GiB:.1f} GiB): {spare:+.1f} GiB to spare")
+        if not plan.fits(total):
+            lines.append(
+                "  to shrink it: --gradient-checkpointing, a smaller --batch-size (with --grad-accum), fewer "
+                "--train-last blocks, --optimizer-state param"
+            )
+    return "\n".join(lines)
+
+
+# --- the command: finetune_classifier --plan -----------------------------------------------------------------------
+
+
+def config_for(model_ref: str) -> LlamaConfig:
+    """The config of a preset, a local checkpoint (directory or file) or a Hugging Face repo (config.json only)."""
+    path = Path(model_ref)
+    if model_ref in PRESETS and not path.exists():
+        return LlamaConfig.from_name(model_ref)
+    if path.exists():
+        return LlamaConfig.from_hf(path if path.is_dir() else path.parent)
+    from huggingface_hub import hf_hub_download
+
+    try:
+        return LlamaConfig.from_hf(hf_hub_download(model_ref, "config.json"))
+    except Exception as e:  # offline, gated, misspelt: all end the same way for a plan
+        raise FileNotFoundError(
+            f"--model {model_ref}: not a preset or a local checkpoint, and its config.json could not be fetched "
+            f"({type(e).__name__}: {e})"
+        ) from None
+
+
+def plan_command(args) -> dict:
+    """`python -m llama_scratch.finetune_classifier ... --plan`: print the plan for these arguments, load nothing.
+
+    Reads only the model's config.json (or preset). The device and dtype follow the command's `auto` choices,
+    except that `--gpu-memory` means "plan for a GPU" on a machine without one (bfloat16, fused AdamW).
+    """
+    gpu = detect_gpu()
+    if args.gpu_memory is not None:
+        gpu = (gpu[0] if gpu else "the given GPU", int(args.gpu_memory * GiB))
+    on_gpu = args.device.startswith("cuda") or (args.device == "auto" and gpu is not None)
+    if args.dtype != "auto":
+        dtype = parse_dtype(args.dtype)
+    elif on_gpu and (not torch.cuda.is_available() or torch.cuda.is_bf16_supported()):
+        dtype = torch.bfloat16
+    else:
+        dtype = torch.float32
+    if args.model is None:  # the command's default may download a model: a plan names its model instead
+        raise ValueError("--plan needs --model: a preset (e.g. llama3-8b), a checkpoint directory or a repo id")
+    model_ref = args.model
+    from_scratch = model_ref in PRESETS and not Path(model_ref).exists()
+    train_last_arg = args.train_last or ("all" if from_scratch else "1")
+    notes = []
+    if args.max_length is None:
+        notes.append("no --max-length given: planned for 512 tokens (training pads each batch to its longest text)")
+    recipe = Recipe(
+        cfg=config_for(model_ref),
+        batch_size=args.batch_size,
+        seq_len=args.max_length or 512,
+        train_last=None if train_last_arg == "all" else int(train_last_arg),
+        dtype=dtype,
+        optimizer_state=args.optimizer_state,
+        gradient_checkpointing=args.gradient_checkpointing,
+        world_size=int(os.environ.get("WORLD_SIZE", 1)),
+        grad_accum=args.grad_accum,
+        device_type="cuda" if on_gpu else "cpu",
+    )
+    plan = plan_memory(recipe)
+    cache = getattr(args, "cache_frozen", "off")  # the frozen-prefix cache (prefix_cache.py)
+    if cache != "off" and recipe.train_last is not None and recipe.train_last < recipe.cfg.n_layers:
+        per_token = recipe.cfg.dim * dtype.itemsize
+        notes.append(
+            f"--cache-frozen {cache} adds {per_token / 1024:.0f} KiB per token of the data set, kept on the device; "
+            "the frozen forward then runs once, up front"
+        )
+    if int(os.environ.get("RANK", 0)) == 0:
+        print(f"model {model_ref}")
+        print(format_plan(plan, gpu if on_gpu else None))
+        for note in notes:
+            print(f"  note: {note}")
+    return plan.as_dict()

@@ -1,0 +1,77 @@
+"""MasterWeightAdamW: bfloat16 parameters stepped through float32 masters, exactly as float32 AdamW would step them."""
+
+import torch
+from torch import nn
+
+from llama_scratch.optim import MasterWeightAdamW
+from llama_scratch.train import TrainSettings, make_optimizer
+
+KW = dict(lr=1e-3, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
+
+
+def grads(step: int, shape=(8, 16)) -> torch.Tensor:
+    return torch.randn(shape, generator=torch.Generator().manual_seed(step)).bfloat16()
+
+
+def test_masters_follow_float32_adamw_exactly():
+    start = torch.randn(8, 16)
+    low = nn.Parameter(start.bfloat16())
+    reference = nn.Parameter(start.bfloat16().float())  # what the masters start from
+    ours = MasterWeightAdamW([{"params": [low]}], **KW)
+    plain = torch.optim.AdamW([reference], **KW)
+    for step in range(5):
+        low.grad, reference.grad = grads(step), grads(step).float()
+        ours.step()
+        plain.step()
+        ours.zero_grad()
+        assert low.grad is None
+    assert torch.equal(ours.masters[0], reference.detach())
+    assert torch.equal(low.detach(), reference.detach().bfloat16())
+
+
+def test_small_updates_are_not_rounded_away():
+    """lr 1e-5 on weights near 1: each update is below bfloat16's resolution; only the master keeps them."""
+    low, master_low = nn.Parameter(torch.ones(64).bfloat16()), nn.Parameter(torch.ones(64).bfloat16())
+    plain = torch.optim.AdamW([low], lr=1e-5, weight_decay=0.0)
+    ours = MasterWeightAdamW([{"params": [master_low]}], lr=1e-5, weight_decay=0.0)
+    for _ in range(300):
+        low.grad, master_low.grad = torch.ones(64).bfloat16(), torch.ones(64).bfloat16()
+        plain.step()
+        ours.step()
+    assert torch.equal(low.detach(), torch.ones(64).bfloat16())  # bfloat16 state: nothing moved
+    assert (master_low.detach() < 1).all() and (ours.masters[0] - (1 - 300e-5)).abs().max() < 2e-5
+
+
+def test_resume_from_state_dict_continues_exactly(tmp_path):
+    def fresh():
+        torch.manual_seed(0)
+        p = nn.Parameter(torch.randn(8, 16).bfloat16())
+        return p, MasterWeightAdamW([{"params": [p]}], **KW)
+
+    p, opt = fresh()
+    for step in range(6):
+        p.grad = grads(step)
+        opt.step()
+        if step == 2:
+            torch.save({"p": p.detach().clone(), "opt": opt.state_dict()}, tmp_path / "point.pt")
+    q, resumed = fresh()
+    saved = torch.load(tmp_path / "point.pt")
+    with torch.no_grad():
+        q.copy_(saved["p"])
+    resumed.load_state_dict(saved["opt"])
+    for step in range(3, 6):
+        q.grad = grads(step)
+        resumed.step()
+    assert torch.equal(q.detach(), p.detach()) and torch.equal(resumed.masters[0], opt.masters[0])
+
+
+def test_make_optimizer_picks_masters_only_for_low_precision():
+    bf16 = nn.Linear(4, 4, dtype=torch.bfloat16)
+    assert isinstance(make_optimizer(bf16, TrainSettings(optimizer_state="float32")), MasterWeightAdamW)
+    assert type(make_optimizer(bf16, TrainSettings())) is torch.optim.AdamW
+    fp32 = nn.Linear(4, 4)
+    assert type(make_optimizer(fp32, TrainSettings(optimizer_state="float32"))) is torch.optim.AdamW
+    scheduler = torch.optim.lr_scheduler.LambdaLR(
+        make_optimizer(bf16, TrainSettings(optimizer_state="float32")), lambda step: 0.5
+    )
+    assert scheduler.get_last_lr() == [TrainSettings().lr * 0.5] * 2

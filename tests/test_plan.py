@@ -1,0 +1,206 @@
+"""The memory plan: exact parameter arithmetic, activations against what autograd really saves, peaks against the
+live tensors of real training steps on CPU, the --plan command, and the CPU shape of the GPU benchmark."""
+
+import dataclasses
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from llama_scratch import Llama, LlamaClassifier, LlamaConfig
+from llama_scratch import finetune_classifier as command
+from llama_scratch.plan import Recipe, count_parameters, format_plan, plan_memory
+from llama_scratch.train import TrainSettings, make_optimizer
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+import gpu_8b  # noqa: E402
+
+SMALL = LlamaConfig(
+    vocab_size=1000, dim=256, n_layers=3, n_heads=8, n_kv_heads=2, ffn_dim=512, max_seq_len=256, dtype=torch.float32
+)
+
+# Llama-3-8B by hand: the numbers the plan must reproduce.
+D, F_, V, L = 4096, 14_336, 128_256, 32
+BLOCK_8B = 2 * D * D + 2 * D * 1024 + 3 * D * F_ + 2 * D  # q, o; k, v (8 kv heads x 128); gate, up, down; 2 norms
+
+
+def test_llama3_8b_parameter_arithmetic_is_exact():
+    assert BLOCK_8B == 218_112_000
+    cfg = LlamaConfig.from_name("llama3-8b")
+    c = count_parameters(cfg, train_last=1, num_classes=2)
+    assert c.backbone == 8_030_261_248 == 2 * V * D + L * BLOCK_8B + D
+    assert c.block == BLOCK_8B and c.head == 2 * D
+    assert c.trainable == 2 * D + D + BLOCK_8B  # head, final norm, one block
+
+    plan = plan_memory(Recipe(cfg, batch_size=8, seq_len=128, train_last=1))
+    rope = 2 * cfg.max_seq_len * 64 * 4  # cos and sin, float32, head_dim / 2 columns
+    assert plan.weights == (8_030_261_248 + 2 * D) * 2 + rope
+    assert plan.gradients == c.trainable * 2
+    assert plan.optimizer_state == c.trainable * 2 * 2  # exp_avg + exp_avg_sq in bfloat16
+    assert plan.ddp_buckets == 0
+
+    every = plan_memory(Recipe(cfg, 8, 128, train_last=None, gradient_checkpointing=True))
+    assert every.counts.trainable == 8_030_261_248 - V * D + 2 * D  # all but the unused language-model head
+    master = plan_memory(Recipe(cfg, 8, 128, train_last=4, optimizer_state="float32", world_size=8))
+    assert master.counts.trainable == 2 * D + D + 4 * BLOCK_8B
+    assert master.optimizer_state == master.counts.trainable * (4 + 4 + 4)  # float32 master, exp_avg, exp_avg_sq
+    assert master.ddp_buckets == master.gradients
+
+
+def test_tied_embeddings_are_counted_once():
+    cfg = LlamaConfig.from_name("llama3.2-1b")
+    c = count_parameters(cfg, train_last=None)
+    with torch.device("meta"):
+        model = Llama(cfg)
+    assert c.backbone == sum(p.numel() for p in model.parameters())  # the tied head is the embedding
+    assert c.trainable == c.total  # training everything: the embedding (= head) trains
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("optimizer_state", ["param", "float32"])
+def test_weights_gradients_and_optimizer_match_a_real_classifier(dtype, optimizer_state):
+    cfg = dataclasses.replace(SMALL, dtype=dtype)
+    clf = LlamaClassifier(Llama(cfg), num_classes=3, train_last=2)
+    plan = plan_memory(
+        Recipe(cfg, 2, 16, train_last=2, num_classes=3, optimizer_state=optimizer_state, device_type="cpu")
+    )
+    trainable = clf.trainable_parameters().values()
+    assert plan.counts.trainable == sum(p.numel() for p in trainable)
+    assert plan.weights == gpu_8b.tensor_bytes(clf)
+
+    optimizer = make_optimizer(clf, TrainSettings(optimizer_state=optimizer_state))
+    ids = torch.randint(0, cfg.vocab_size, (2, 16))
+    F.cross_entropy(clf(ids).float(), torch.tensor([0, 2])).backward()
+    assert plan.gradients == sum(p.grad.numel() * p.grad.element_size() for p in trainable)
+    optimizer.step()
+    state = [t for s in optimizer.state.values() for k, t in s.items() if k != "step"]
+    masters = getattr(optimizer, "masters", [])
+    assert plan.optimizer_state == sum(t.numel() * t.element_size() for t in [*state, *masters])
+
+
+def saved_for_backward(clf: LlamaClassifier, ids: torch.Tensor) -> int:
+    """Bytes autograd saves in a forward (and loss), each storage once, parameters excluded."""
+    params = {p.untyped_storage().data_ptr() for p in clf.parameters()}
+    saved: dict[int, int] = {}
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        st = t.untyped_storage()
+        if st.data_ptr() not in params:
+            saved[st.data_ptr()] = st.nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        F.cross_entropy(clf(ids, torch.ones_like(ids)).float(), torch.zeros(len(ids), dtype=torch.long))
+    return sum(saved.values())
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("train_last", [0, 1, 2, None])
+def test_activations_are_what_autograd_saves(dtype, train_last):
+    cfg = dataclasses.replace(SMALL, dtype=dtype)
+    clf = LlamaClassifier(Llama(cfg), num_classes=3, train_last=train_last).train()
+    measured = saved_for_backward(clf, torch.randint(0, cfg.vocab_size, (4, 64)))
+    planned = plan_memory(Recipe(cfg, 4, 64, train_last, num_classes=3, device_type="cpu")).activations
+    assert planned == pytest.approx(measured, rel=0.02)
+
+
+@pytest.mark.parametrize(
+    "train_last, checkpointing, grad_accum",
+    [(2, False, 1), (2, True, 1), (None, False, 1), (None, True, 1), (2, False, 2)],
+)
+def test_peaks_match_live_tensors_of_real_steps(train_last, checkpointing, grad_accum):
+    """Everything alive after the forward is the activations (plus, when accumulating, the gradients so far); the
+    peak of two optimizer steps (the second runs with the optimizer state in place) is near the plan, not above it
+    (the plan's temporaries are on the safe side)."""
+    cfg = dataclasses.replace(SMALL, dtype=torch.bfloat16)
+    clf = LlamaClassifier(Llama(cfg), num_classes=2, train_last=train_last).train()
+    clf.backbone.gradient_checkpointing = checkpointing
+    optimizer = make_optimizer(clf, TrainSettings())
+    ids = torch.randint(0, cfg.vocab_size, (4, 64))
+    recipe = Recipe(cfg, 4, 64, train_last, gradient_checkpointing=checkpointing, grad_accum=grad_accum)
+    plan = plan_memory(dataclasses.replace(recipe, device_type="cpu"))
+    with gpu_8b.peak_memory(torch.device("cpu"), baseline=gpu_8b.tensor_bytes(clf)) as mem:
+        for _ in range(2):
+            for _ in range(grad_accum):
+                with gpu_8b.LiveTensorBytes() as live:
+                    loss = F.cross_entropy(clf(ids, torch.ones_like(ids)).float(), torch.zeros(4, dtype=torch.long))
+                    after_forward = live.current
+                loss.backward()
+            optimizer.step()
+            optimizer.zero_grad()
+    assert after_forward == pytest.approx(plan.activations, rel=0.02)
+    assert 0.9 * plan.peak <= mem["peak"] <= 1.02 * plan.peak
+
+
+def test_plan_command_prints_without_loading_anything(monkeypatch, capsys):
+    def refuse(*args, **kwargs):
+        raise AssertionError("--plan must not load data or weights")
+
+    monkeypatch.setattr(command, "load_dataset", refuse)
+    monkeypatch.setattr(command, "load_model", refuse)
+    monkeypatch.setattr(command.distributed, "setup", refuse)
+    argv = ["--model", "llama3-8b", "--train-last", "1", "--batch-size", "8", "--max-length", "128", "--plan"]
+    assert command.main([*argv, "--gpu-memory", "80"]) == 0
+    out = capsys.readouterr().out
+    assert "8,030,261,248 backbone" in out and "FITS on" in out and "DOES NOT FIT" not in out
+
+    everything = ["--model", "llama3-8b", "--train-last", "all", "--max-length", "512", "--plan", "--gpu-memory", "80"]
+    assert command.main([*everything, "--optimizer-state", "float32"]) == 0
+    assert "DOES NOT FIT" in capsys.readouterr().out  # 12 bytes of state per parameter: 90 GB before anything else
+    assert command.main([*everything, "--gradient-checkpointing"]) == 0
+    assert "FITS on" in capsys.readouterr().out
+    assert command.main(["--plan"]) == 2  # no --model: the default model might have to be downloaded
+    assert "--plan needs --model" in capsys.readouterr().err
+
+
+def test_format_plan_names_every_part():
+    plan = plan_memory(Recipe(LlamaConfig.from_name("llama3-8b"), 4, 512, None, gradient_checkpointing=True))
+    text = format_plan(plan, ("NVIDIA H100 80GB HBM3", 80 * 2**30))
+    for part in ("weights", "optimizer state", "gradients", "activations", "recomputed block", "PEAK", "FITS"):
+        assert part in text
+    with pytest.raises(ValueError, match="optimizer_state"):
+        Recipe(LlamaConfig.from_name("tiny"), 1, 1, optimizer_state="bfloat16")
+
+
+def test_gpu_benchmark_cpu_shape_runs(tmp_path, capsys):
+    out = tmp_path / "results.json"
+    argv = [
+        "--shape",
+        "small",
+        "--device",
+        "cpu",
+        "--seq-lens",
+        "64",
+        "--tokens",
+        "128",
+        "--steps",
+        "1",
+        "--warmup",
+        "1",
+        "--json",
+        str(out),
+    ]
+    result = gpu_8b.main(argv)
+    assert out.exists() and "| all+ckpt | 64 |" in capsys.readouterr().out
+    assert [r["recipe"] for r in result["runs"]] == ["last-1", "last-4", "all+ckpt"]
+    for run in result["runs"]:
+        assert run["error"] is None and run["tokens_per_s"] > 0
+        assert 0.85 <= run["measured_over_plan"] <= 1.02, run
+    assert result["load"]["checkpoint_bytes"] == count_parameters(gpu_8b.SHAPES["small"]).backbone * 4
+
+
+def test_model_flops_counts_trained_frozen_and_attention():
+    cfg = LlamaConfig.from_name("llama3-8b")
+    b, seq = 8, 128
+    tokens, kv = b * seq, 2 * D * 1024
+    causal = 4 * b * 32 * 128 * seq * (seq + 1) / 2  # one block's forward: QK^T and PV over the causal pairs
+    one_query = 4 * b * 32 * 128 * seq  # the classifier's last block: one query per row
+    head = 6 * (D + 2 * D) * b
+    last = 6 * (kv * tokens + (BLOCK_8B - kv) * b) + 3 * one_query
+    done = 31 * (2 * BLOCK_8B * tokens + causal) + last + head
+    convention = 6 * BLOCK_8B * tokens + 2 * 31 * BLOCK_8B * tokens + causal * (3 + 31) + head
+    flops = gpu_8b.model_flops(cfg, 1, b, seq)
+    assert flops["done"] == pytest.approx(done, rel=1e-12) and flops["6PT"] == pytest.approx(convention, rel=1e-12)
+    assert gpu_8b.peak_tflops("NVIDIA H100 80GB HBM3") == 989.4 and gpu_8b.peak_tflops("NVIDIA H100 PCIe") == 756.0
