@@ -17,6 +17,7 @@ from safetensors import safe_open
 from .classifier import LlamaClassifier
 from .config import LlamaConfig
 from .data import collate
+from .download import DownloadError
 from .finetune_classifier import choose_dtype
 from .model import Llama
 from .tokenizer import Tokenizer
@@ -98,7 +99,7 @@ def main(argv: list[str] | None = None) -> int:
         p.error("give texts to classify, or --file")
     try:
         clf, tokenizer, meta = load_classifier(args.checkpoint, args.device, args.dtype)
-    except (FileNotFoundError, ValueError) as e:
+    except (FileNotFoundError, ValueError, DownloadError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     for text, (label, prob) in zip(

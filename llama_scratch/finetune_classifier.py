@@ -223,11 +223,17 @@ def run(args: argparse.Namespace) -> dict:
     # --- model and tokenizer
     # Under torchrun, rank 0 alone looks for (and if need be fetches) the default model; the others take its answer.
     model_ref = args.model or distributed.broadcast_object(default_model(device, dtype, log) if env.is_main else None)
+    out = args.output or Path("runs") / f"{Path(model_ref).name}-{Path(args.data).stem}"
+    unfinished = (out / "checkpoint.pt").exists()
+    if unfinished and not (args.resume or args.overwrite):
+        raise DataError(f"{out} holds an unfinished run: pass --resume to continue it or --overwrite to restart")
     backbone = load_model(model_ref, device=device, dtype=dtype, progress=env.is_main)
     backbone.gradient_checkpointing = args.gradient_checkpointing
     from_scratch = model_ref in PRESETS and not Path(model_ref).exists()
     # A pretrained model needs only its top adjusted, gently; random weights must all learn, and faster.
     train_last_arg = args.train_last or ("all" if from_scratch else "1")
+    if train_last_arg != "all" and not train_last_arg.isdigit():
+        raise ValueError(f"--train-last takes a number of blocks or 'all', not {train_last_arg!r}")
     train_last = None if train_last_arg == "all" else int(train_last_arg)
     lr = args.lr or (1e-3 if from_scratch else 2e-4)
     tokenizer, tokenizer_ref = resolve_tokenizer(model_ref, backbone.cfg, log)
@@ -250,10 +256,6 @@ def run(args: argparse.Namespace) -> dict:
     model = distributed.wrap(clf, env, device)
 
     # --- output directory
-    out = args.output or Path("runs") / f"{Path(model_ref).name}-{Path(args.data).stem}"
-    unfinished = (out / "checkpoint.pt").exists()
-    if unfinished and not (args.resume or args.overwrite):
-        raise DataError(f"{out} holds an unfinished run: pass --resume to continue it or --overwrite to restart")
     distributed.barrier()
     if env.is_main:
         if unfinished and args.overwrite and not args.resume:
@@ -357,7 +359,7 @@ def main(argv: list[str] | None = None) -> int:
         run(args)
     except KeyboardInterrupt:
         return 130
-    except (DataError, CheckpointError, TrainingDiverged, FileNotFoundError, ValueError) as e:
+    except (DataError, CheckpointError, DownloadError, TrainingDiverged, FileNotFoundError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     finally:

@@ -177,3 +177,8 @@ def test_cached_frozen_prefix_trains_the_same_weights(small_csv, tmp_path):
     assert max((a[k] - b[k]).abs().max().item() for k in a) < 1e-5
     assert ma["test_confusion"] == mb["test_confusion"]
     assert ma["test_loss"] == pytest.approx(mb["test_loss"], abs=1e-5)
+
+
+def test_bad_train_last_is_a_clear_error(small_csv, tmp_path):
+    argv = ["--model", "tiny", "--data", str(small_csv), "--output", str(tmp_path / "o"), "--train-last", "two"]
+    assert finetune_classifier.main(argv) == 2
