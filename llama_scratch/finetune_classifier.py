@@ -48,7 +48,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--label-column", help="column (or JSON key) holding the label")
     p.add_argument("--split", help="book | dedup | stratified | full (default: book for sms_spam, else stratified)")
     p.add_argument("--output", type=Path, help="output directory (default: runs/MODEL-DATA)")
-    p.add_argument("--epochs", type=int, default=3)
+    p.add_argument("--epochs", type=int, default=5)
     p.add_argument("--max-steps", type=int, help="stop after this many optimizer steps")
     p.add_argument("--batch-size", type=int, default=8, help="rows per process per micro-batch")
     p.add_argument("--grad-accum", type=int, default=1, help="micro-batches per optimizer step")
@@ -58,7 +58,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--warmup", type=float, default=0.1, help="fraction of steps for linear warm-up")
     p.add_argument("--schedule", choices=["cosine", "linear", "constant"], default="cosine")
     p.add_argument("--clip-grad", type=float, default=1.0, help="max gradient norm (0: off)")
-    p.add_argument("--train-last", help="train the head, final norm and the last N blocks, or 'all' (default: 1 for "
+    p.add_argument("--train-last", help="train the head, final norm and the last N blocks, or 'all' (default: 2 for "
                    "a pretrained model, all from scratch)")  # fmt: skip
     p.add_argument("--cache-frozen", choices=["auto", "on", "off"], default="auto", help="compute the frozen "
                    "layers' output once, not every epoch (auto: when it fits in a quarter of memory)")  # fmt: skip
@@ -231,7 +231,7 @@ def run(args: argparse.Namespace) -> dict:
     backbone.gradient_checkpointing = args.gradient_checkpointing
     from_scratch = model_ref in PRESETS and not Path(model_ref).exists()
     # A pretrained model needs only its top adjusted, gently; random weights must all learn, and faster.
-    train_last_arg = args.train_last or ("all" if from_scratch else "1")
+    train_last_arg = args.train_last or ("all" if from_scratch else "2")
     if train_last_arg != "all" and not train_last_arg.isdigit():
         raise ValueError(f"--train-last takes a number of blocks or 'all', not {train_last_arg!r}")
     train_last = None if train_last_arg == "all" else int(train_last_arg)

@@ -63,6 +63,7 @@ class TrainState:
     batches_done: int = 0  # micro-batches of that epoch already consumed (always a whole optimizer step)
     step: int = 0  # optimizer steps taken in total
     best_val_accuracy: float = -1.0
+    best_val_loss: float = math.inf
     best_epoch: int = -1
     history: list[dict] = field(default_factory=list)
     train_seconds: float = 0.0
@@ -351,8 +352,11 @@ def train(
                 f"epoch {row['epoch']}: step {row['step']}, train loss {row['train_loss']:.4f} acc "
                 f"{row['train_accuracy']:.2%}, val loss {row['val_loss']:.4f} acc {row['val_accuracy']:.2%}"
             )
-            if row["val_accuracy"] > state.best_val_accuracy:
-                state.best_val_accuracy, state.best_epoch = row["val_accuracy"], row["epoch"]
+            # Best = highest validation accuracy; on a small validation split ties are common, and then the lower
+            # validation loss (the more confident model) wins.
+            if (row["val_accuracy"], -row["val_loss"]) > (state.best_val_accuracy, -state.best_val_loss):
+                state.best_val_accuracy, state.best_val_loss = row["val_accuracy"], row["val_loss"]
+                state.best_epoch = row["epoch"]
                 if env.is_main and on_best is not None:
                     on_best(row["epoch"])
             if finished_epoch:
