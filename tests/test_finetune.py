@@ -74,7 +74,7 @@ def test_saves_only_trained_parameters_for_a_pretrained_backbone(small_csv, tmp_
     save_checkpoint(Llama(cfg), cfg, base)
     out = tmp_path / "run"
     argv = ["--model", str(base), "--data", str(small_csv), "--output", str(out), "--max-steps", "2"]
-    assert finetune_classifier.main(argv + ["--batch-size", "8"]) == 0
+    assert finetune_classifier.main(argv + ["--batch-size", "8", "--train-last", "1"]) == 0
     saved = load_file(out / "classifier.safetensors")
     assert set(saved) == {"head.weight", "backbone.final_norm.weight"} | {
         f"backbone.blocks.3.{n}" for n, _ in Llama(cfg).blocks[3].named_parameters()
