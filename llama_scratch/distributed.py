@@ -65,7 +65,9 @@ def wrap(model: nn.Module, env: Dist, device: torch.device) -> nn.Module:
     """DistributedDataParallel when there are several processes; the model itself otherwise."""
     if not env.enabled:
         return model
-    return DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None)
+    # The only buffers are the rotary tables, computed identically everywhere: nothing to broadcast each step.
+    device_ids = [device.index] if device.type == "cuda" else None
+    return DistributedDataParallel(model, device_ids=device_ids, broadcast_buffers=False)
 
 
 def unwrap(model: nn.Module) -> nn.Module:

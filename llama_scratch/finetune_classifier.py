@@ -11,6 +11,7 @@ import dataclasses
 import io
 import json
 import os
+import re
 import signal
 import sys
 import time
@@ -24,7 +25,7 @@ from .classifier import LlamaClassifier
 from .config import PRESETS, LlamaConfig, parse_dtype
 from .data import DataError, DataWarning, default_max_length, default_protocol, encode_texts, load_dataset
 from .data import split_dataset as make_splits
-from .download import DownloadError, fetch_smollm2
+from .download import DownloadError, default_dir, fetch, fetch_smollm2
 from .model import Llama
 from .plan import plan_command
 from .prefix_cache import cache_bytes, compute_frozen_states, frozen_blocks, memory_budget
@@ -138,12 +139,17 @@ def default_model(
         return "tiny"
 
 
+def is_repo_id(ref: str) -> bool:
+    """'owner/name' that is neither a preset nor an existing path: a Hugging Face repository to fetch."""
+    return ref not in PRESETS and not Path(ref).exists() and re.fullmatch(r"[\w.-]+/[\w.-]+", ref) is not None
+
+
 def resolve_tokenizer(model_ref: str, cfg: LlamaConfig, log) -> tuple[Tokenizer, str]:
     """The checkpoint's own tokenizer, or the Llama-3 one shipped with llama-models for presets and bare checkpoints."""
     path = Path(model_ref)
     if path.is_dir():
         try:
-            return Tokenizer.for_checkpoint(path), str(path)
+            return Tokenizer.for_checkpoint(path), str(path.resolve())
         except FileNotFoundError:
             if cfg.vocab_size != 128_256:
                 raise
@@ -223,6 +229,8 @@ def run(args: argparse.Namespace) -> dict:
     # --- model and tokenizer
     # Under torchrun, rank 0 alone looks for (and if need be fetches) the default model; the others take its answer.
     model_ref = args.model or distributed.broadcast_object(default_model(device, dtype, log) if env.is_main else None)
+    if is_repo_id(model_ref):  # fetched once, by rank 0; from then on it is a local directory like any other
+        model_ref = distributed.broadcast_object(str(fetch(model_ref, default_dir(model_ref))) if env.is_main else None)
     out = args.output or Path("runs") / f"{Path(model_ref).name}-{Path(args.data).stem}"
     unfinished = (out / "checkpoint.pt").exists()
     if unfinished and not (args.resume or args.overwrite):
@@ -237,6 +245,11 @@ def run(args: argparse.Namespace) -> dict:
     train_last = None if train_last_arg == "all" else int(train_last_arg)
     lr = args.lr or (1e-3 if from_scratch else 2e-4)
     tokenizer, tokenizer_ref = resolve_tokenizer(model_ref, backbone.cfg, log)
+    if tokenizer.n_words > backbone.cfg.vocab_size:
+        raise ValueError(
+            f"the tokenizer has {tokenizer.n_words:,} tokens but {model_ref} embeds only {backbone.cfg.vocab_size:,}: "
+            "they do not belong together (is the checkpoint's tokenizer file missing?)"
+        )
     ids = {k: encode_texts(v.texts, tokenizer)[0] for k, v in parts.items()}
     max_length = args.max_length or default_max_length(ids["train"], backbone.cfg.max_seq_len)
     truncated = sum(len(x) > max_length for rows in ids.values() for x in rows)
@@ -258,8 +271,9 @@ def run(args: argparse.Namespace) -> dict:
     # --- output directory
     distributed.barrier()
     if env.is_main:
-        if unfinished and args.overwrite and not args.resume:
-            (out / "checkpoint.pt").unlink()
+        if not args.resume:  # a fresh run: nothing of an earlier run in this directory may be taken for ours
+            for name in ("checkpoint.pt", "classifier.safetensors", "metrics.json"):
+                (out / name).unlink(missing_ok=True)
         out.mkdir(parents=True, exist_ok=True)
     distributed.barrier()
 
@@ -282,8 +296,20 @@ def run(args: argparse.Namespace) -> dict:
         save_every=args.save_every,
         optimizer_state=args.optimizer_state,
     )
+    identity = {"model": model_ref, "data": args.data, "split": protocol, "max_length": max_length, "dtype": str(dtype)}
     state = train(
-        model, splits, data.num_classes, tokenizer.pad_id, settings, env, device, out, args.resume, save_classifier, log
+        model,
+        splits,
+        data.num_classes,
+        tokenizer.pad_id,
+        settings,
+        env,
+        device,
+        out,
+        args.resume,
+        save_classifier,
+        log,
+        run_identity=identity,
     )
 
     # --- final evaluation with the best weights (by validation accuracy)

@@ -9,6 +9,8 @@ from __future__ import annotations
 import contextlib
 import math
 import os
+import signal
+import threading
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -74,6 +76,23 @@ class TrainingDiverged(RuntimeError):
     pass
 
 
+@contextlib.contextmanager
+def interrupts_deferred():
+    """Hold Ctrl-C and SIGTERM until the block ends, so a step is never half-applied when progress is saved.
+
+    The signals stay pending while blocked and are delivered (raising KeyboardInterrupt) right after the block.
+    """
+    signals = {signal.SIGINT, signal.SIGTERM}
+    main = threading.current_thread() is threading.main_thread() and hasattr(signal, "pthread_sigmask")
+    if main:
+        signal.pthread_sigmask(signal.SIG_BLOCK, signals)
+    try:
+        yield
+    finally:
+        if main:
+            signal.pthread_sigmask(signal.SIG_UNBLOCK, signals)
+
+
 # ---------------------------------------------------------------------------------------------- batches
 
 
@@ -107,15 +126,17 @@ def forward(model: nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
 
 
 def check_enough_data(n_train: int, s: TrainSettings, env: Dist) -> int:
-    """Optimizer steps per epoch; a clear error when the data cannot give every process a full step."""
-    per_step = s.batch_size * s.grad_accum * env.world_size
-    if n_train < per_step:
+    """Optimizer steps per epoch (as `epoch_batches` makes them); a clear error when there is not one full step."""
+    rows_per_process = math.ceil(n_train / env.world_size)  # DistributedSampler's share, padded with repeats
+    steps = rows_per_process // (s.batch_size * s.grad_accum)
+    if steps == 0:
+        per_step = s.batch_size * s.grad_accum * env.world_size
         raise ValueError(
             f"the training split has {n_train} rows, fewer than one step needs ({s.batch_size} rows x "
             f"{s.grad_accum} accumulation x {env.world_size} processes = {per_step}); lower --batch-size, "
             "--grad-accum or the number of processes"
         )
-    return n_train // per_step
+    return steps
 
 
 # ---------------------------------------------------------------------------------------------- optimizer
@@ -216,9 +237,12 @@ def atomic_torch_save(obj, path: Path) -> None:
     os.replace(tmp, path)
 
 
-def save_resume_point(path: Path, model, optimizer, scheduler, state: TrainState, settings: TrainSettings) -> None:
+def save_resume_point(
+    path: Path, model, optimizer, scheduler, state: TrainState, settings: TrainSettings, identity: dict
+) -> None:
     atomic_torch_save(
         {
+            "identity": identity,
             "trainable": {k: v.cpu() for k, v in trainable_state(model).items()},
             "optimizer": optimizer.state_dict(),
             "scheduler": scheduler.state_dict(),
@@ -230,10 +254,12 @@ def save_resume_point(path: Path, model, optimizer, scheduler, state: TrainState
     )
 
 
-def load_resume_point(path: Path, model, optimizer, scheduler, settings: TrainSettings) -> TrainState:
+def load_resume_point(path: Path, model, optimizer, scheduler, settings: TrainSettings, identity: dict) -> TrainState:
     saved = torch.load(path, map_location="cpu", weights_only=False)
     changed = {k: (v, getattr(settings, k)) for k, v in saved["settings"].items() if getattr(settings, k) != v}
     changed.pop("save_every", None)
+    was = saved.get("identity", {})
+    changed |= {k: (was.get(k), v) for k, v in identity.items() if was.get(k) != v}
     if changed:
         detail = ", ".join(f"{k}: saved {a!r}, now {b!r}" for k, (a, b) in changed.items())
         raise ValueError(f"{path} was written with other settings ({detail}); resume with the same settings")
@@ -262,25 +288,28 @@ def train(
     resume: bool = False,
     on_best=None,
     log=print,
+    run_identity: dict | None = None,
 ) -> TrainState:
     """Train `model` (a classifier, maybe wrapped in DDP) on splits['train'], evaluating on 'train' and 'val'
     after each epoch. `on_best(epoch)` is called on rank 0 when validation accuracy improves (save weights there).
+    `run_identity` (model, data, world size, ...) is stored with each resume point; resuming under another refuses.
     """
     steps_per_epoch = check_enough_data(len(splits["train"].ids), s, env)
     total = steps_per_epoch * s.epochs if s.max_steps is None else min(s.max_steps, steps_per_epoch * s.epochs)
     optimizer = make_optimizer(model, s)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: lr_factor(step, total, s))
     resume_path = out_dir / "checkpoint.pt"
+    identity = {"world_size": env.world_size, **(run_identity or {})}
     state = TrainState()
     if resume and resume_path.exists():
-        state = load_resume_point(resume_path, model, optimizer, scheduler, s)
+        state = load_resume_point(resume_path, model, optimizer, scheduler, s, identity)
         log(f"resuming from {resume_path}: epoch {state.epoch + 1}, step {state.step}")
     elif resume:
         log(f"--resume: no checkpoint at {resume_path}; starting from the beginning")
 
     def save_point() -> None:
         if env.is_main:
-            save_resume_point(resume_path, model, optimizer, scheduler, state, s)
+            save_resume_point(resume_path, model, optimizer, scheduler, state, s, identity)
 
     model.train()
     try:
@@ -321,11 +350,12 @@ def train(
                         f"the loss became {loss} (gradient norm {norm.item()}) at step {state.step + 1}, epoch "
                         f"{state.epoch + 1}; try a lower --lr. The last good resume point is {resume_path}."
                     )
-                optimizer.step()
-                scheduler.step()
-                optimizer.zero_grad(set_to_none=True)
-                state.step += 1
-                state.batches_done = k + s.grad_accum
+                with interrupts_deferred():  # weights, optimizer, schedule and counters move together
+                    optimizer.step()
+                    scheduler.step()
+                    optimizer.zero_grad(set_to_none=True)
+                    state.step += 1
+                    state.batches_done = k + s.grad_accum
                 bar.update(1)
                 bar.set_postfix(loss=f"{loss:.4f}", lr=f"{scheduler.get_last_lr()[0]:.2e}")
                 if state.step % s.save_every == 0:

@@ -182,3 +182,26 @@ def test_cached_frozen_prefix_trains_the_same_weights(small_csv, tmp_path):
 def test_bad_train_last_is_a_clear_error(small_csv, tmp_path):
     argv = ["--model", "tiny", "--data", str(small_csv), "--output", str(tmp_path / "o"), "--train-last", "two"]
     assert finetune_classifier.main(argv) == 2
+
+
+def test_resume_refuses_another_world_size_or_model(tmp_path):
+    from llama_scratch import Llama, LlamaClassifier, LlamaConfig
+    from llama_scratch.train import TrainSettings, TrainState, load_resume_point, make_optimizer, save_resume_point
+
+    clf = LlamaClassifier(Llama(LlamaConfig.from_name("tiny")), train_last=1)
+    s = TrainSettings()
+    opt = make_optimizer(clf, s)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda step: 1.0)
+    path = tmp_path / "checkpoint.pt"
+    save_resume_point(path, clf, opt, sched, TrainState(), s, {"world_size": 4, "model": "a"})
+    with pytest.raises(ValueError, match="world_size: saved 4, now 2"):
+        load_resume_point(path, clf, opt, sched, s, {"world_size": 2, "model": "a"})
+    with pytest.raises(ValueError, match="model: saved 'a', now 'b'"):
+        load_resume_point(path, clf, opt, sched, s, {"world_size": 4, "model": "b"})
+    assert load_resume_point(path, clf, opt, sched, s, {"world_size": 4, "model": "a"}).step == 0
+
+
+def test_a_repo_id_is_told_apart_from_presets_and_paths(tmp_path):
+    assert finetune_classifier.is_repo_id("HuggingFaceTB/SmolLM2-360M")
+    assert not finetune_classifier.is_repo_id("tiny")
+    assert not finetune_classifier.is_repo_id(str(tmp_path))
