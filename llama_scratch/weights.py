@@ -472,7 +472,8 @@ def _fsync(path: Path) -> None:
         os.close(fd)
 
 
-def _write_text_atomic(path: Path, text: str) -> None:
+def write_text_atomic(path: Path, text: str) -> None:
+    """Write text under a temporary name, then rename: readers see the old file or the new one, never half."""
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     try:
         tmp.write_text(text)
@@ -520,9 +521,9 @@ def save_checkpoint(
         total = sum(t.numel() * t.element_size() for t in tensors.values())
         weight_map = {n: f for shard, f in zip(shards, names, strict=True) for n in shard}
         index = {"metadata": {"total_size": total}, "weight_map": weight_map}
-        _write_text_atomic(out / "model.safetensors.index.json", json.dumps(index, indent=2) + "\n")
+        write_text_atomic(out / "model.safetensors.index.json", json.dumps(index, indent=2) + "\n")
         written.add("model.safetensors.index.json")
-    _write_text_atomic(out / "config.json", json.dumps(cfg.to_hf_dict(), indent=2) + "\n")
+    write_text_atomic(out / "config.json", json.dumps(cfg.to_hf_dict(), indent=2) + "\n")
     for stale in [*out.glob("model*.safetensors"), out / "model.safetensors.index.json"]:
         if stale.name not in written:  # left from an earlier save with other sharding; would shadow the new one
             stale.unlink(missing_ok=True)
