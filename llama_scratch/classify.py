@@ -15,7 +15,7 @@ import torch
 from safetensors import safe_open
 
 from .classifier import LlamaClassifier
-from .config import LlamaConfig
+from .config import LlamaConfig, parse_dtype
 from .data import collate
 from .download import DownloadError
 from .finetune_classifier import choose_dtype
@@ -36,6 +36,8 @@ def load_classifier(
     meta = json.loads(meta_path.read_text())
     device = torch.device(("cuda" if torch.cuda.is_available() else "cpu") if device == "auto" else device)
     torch_dtype = choose_dtype(dtype, device)
+    if dtype == "auto" and torch_dtype != torch.float32:  # the device computes low precision well: use what
+        torch_dtype = parse_dtype(meta["dtype"])  # training used, so predictions match the evaluation it reported
     if meta["weights_include_backbone"]:  # trained from scratch: the file holds every weight
         cfg = LlamaConfig.from_hf_dict(meta["config"], source=str(meta_path))
         cfg.dtype = torch_dtype
@@ -83,7 +85,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("texts", nargs="*", help="texts to classify")
     p.add_argument("--file", help="a file with one text per line ('-': standard input)")
     p.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N")
-    p.add_argument("--dtype", default="auto", help="auto | bfloat16 | float32")
+    p.add_argument("--dtype", default="auto", help="auto (the training dtype on a GPU, float32 on CPU) | bfloat16 | "
+                   "float32")  # fmt: skip
     p.add_argument("--batch-size", type=int, default=16)
     args = p.parse_args(argv)
     texts = list(args.texts)

@@ -27,7 +27,7 @@ from .data import split_dataset as make_splits
 from .download import DownloadError, default_dir, fetch, fetch_smollm2
 from .model import Llama
 from .plan import plan_command
-from .prefix_cache import cache_bytes, compute_frozen_states, frozen_blocks, memory_budget
+from .prefix_cache import cache_bytes, compute_frozen_states, free_memory, frozen_blocks, memory_budget
 from .tokenizer import Tokenizer
 from .train import Split, TrainingDiverged, TrainSettings, evaluate, per_class, train
 from .weights import CheckpointError, load_model, save_weights, write_text_atomic
@@ -58,10 +58,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--warmup", type=float, default=0.1, help="fraction of steps for linear warm-up")
     p.add_argument("--schedule", choices=["cosine", "linear", "constant"], default="cosine")
     p.add_argument("--clip-grad", type=float, default=1.0, help="max gradient norm (0: off)")
-    p.add_argument("--train-last", help="train the head, final norm and the last N blocks, or 'all' (default: 2 for "
-                   "a pretrained model, all from scratch)")  # fmt: skip
+    p.add_argument("--train-last", "--trainable", dest="train_last", help="train the head, final norm and the last N "
+                   "blocks, or 'all' (default: 2 for a pretrained model, all from scratch)")  # fmt: skip
     p.add_argument("--cache-frozen", choices=["auto", "on", "off"], default="auto", help="compute the frozen "
-                   "layers' output once, not every epoch (auto: when it fits in a quarter of memory)")  # fmt: skip
+                   "layers' output once, not every epoch (auto: when it fits in a quarter of memory and half of "
+                   "what is free)")  # fmt: skip
     p.add_argument("--max-length", type=int, help="truncate texts to this many tokens (default: the longest)")
     p.add_argument("--dtype", default="auto", help="auto (bfloat16 on a capable GPU, float32 on CPU) | bfloat16 | "
                    "float32")  # fmt: skip
@@ -159,8 +160,12 @@ def use_cache(choice: str, clf: LlamaClassifier, ids: dict[str, list[list[int]]]
     if choice == "off" or frozen == 0:
         return False
     size = sum(cache_bytes(rows, clf) for rows in ids.values())
-    if choice == "auto" and size > memory_budget(device):
-        log(f"not caching the frozen layers: {size / 2**30:.1f} GiB exceeds a quarter of the device's memory")
+    room = min(memory_budget(device), free_memory(device) // 2)  # the rest is for training itself
+    if choice == "auto" and size > room:
+        log(
+            f"not caching the frozen layers: {size / 2**30:.1f} GiB exceeds a quarter of the device's memory or "
+            "half of what is free (--cache-frozen on to insist)"
+        )
         return False
     log(f"caching the output of the {frozen} frozen blocks for every text ({size / 2**20:,.0f} MiB)")
     return True
@@ -247,13 +252,27 @@ def run(args: argparse.Namespace) -> dict:
     log(f"max length {max_length} tokens; {truncated:,} texts truncated")
     splits = {k: Split(ids[k], parts[k].labels) for k in parts}
 
+    settings = TrainSettings(
+        epochs=args.epochs,
+        max_steps=args.max_steps,
+        batch_size=args.batch_size,
+        grad_accum=args.grad_accum,
+        lr=lr,
+        weight_decay=args.weight_decay,
+        warmup=args.warmup,
+        schedule=args.schedule,
+        clip_grad=args.clip_grad,
+        seed=args.seed,
+        save_every=args.save_every,
+        optimizer_state=args.optimizer_state,
+    )
     clf = LlamaClassifier(backbone, num_classes=data.num_classes, train_last=train_last)
     n_train = sum(p.numel() for p in clf.trainable_parameters().values())
     log(f"training {n_train:,} of {sum(p.numel() for p in clf.parameters()):,} parameters on {device} in {dtype}")
     if use_cache(args.cache_frozen, clf, ids, device, log):
         show = env.is_main
         splits = {
-            k: Split(v.ids, v.labels, compute_frozen_states(clf, v.ids, tokenizer.pad_id, show=show))
+            k: Split(v.ids, v.labels, compute_frozen_states(clf, v.ids, tokenizer.pad_id, settings.eval_rows, show))
             for k, v in splits.items()
         }
     model = distributed.wrap(clf, env, device)
@@ -272,20 +291,6 @@ def run(args: argparse.Namespace) -> dict:
         state = clf.state_dict() if from_scratch else clf.trainable_parameters()
         save_weights({k: v.detach() for k, v in state.items()}, out / "classifier.safetensors")
 
-    settings = TrainSettings(
-        epochs=args.epochs,
-        max_steps=args.max_steps,
-        batch_size=args.batch_size,
-        grad_accum=args.grad_accum,
-        lr=lr,
-        weight_decay=args.weight_decay,
-        warmup=args.warmup,
-        schedule=args.schedule,
-        clip_grad=args.clip_grad,
-        seed=args.seed,
-        save_every=args.save_every,
-        optimizer_state=args.optimizer_state,
-    )
     identity = {"model": model_ref, "data": args.data, "split": protocol, "max_length": max_length, "dtype": str(dtype)}
     state = train(
         model,

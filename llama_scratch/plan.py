@@ -8,7 +8,8 @@ for one operation) is an estimate from the same shapes, checked on CPU against t
 is a small part of the peak. CUDA kernels may keep other temporaries than CPU ones: benchmarks/gpu_8b.py measures.
 
 One process (per GPU) holds, at its peak:
-  weights + optimizer state (+ DDP gradient buckets)                  always
+  weights + optimizer state                                            always
+  (+ the gradients, under DDP or while accumulating: they stay allocated between steps)
   + the largest of: the forward  (saved activations, one block's temporaries)
                     the backward (activations not yet used, gradients so far, one block's temporaries)
                     the optimizer step (all gradients, the step's temporaries)
@@ -44,7 +45,7 @@ class Recipe:
     dtype: torch.dtype | None = None  # parameter dtype; None: the config's
     optimizer_state: str = "param"  # "param": AdamW moments in the parameter dtype; "float32": fp32 master + moments
     gradient_checkpointing: bool = False
-    world_size: int = 1  # DDP: every process holds a full replica, so this only adds the gradient buckets
+    world_size: int = 1  # DDP: a full replica per process; its gradients are kept between steps (bucket views)
     grad_accum: int = 1  # >1: gradients stay allocated through the next micro-batch's forward
     device_type: str = "cuda"  # "cuda": fused AdamW and the flash attention layout; "cpu": what CPU kernels do
 
@@ -225,7 +226,6 @@ class MemoryPlan:
     weights: int
     gradients: int
     optimizer_state: int
-    ddp_buckets: int
     activations: int  # everything saved for backward at the end of the forward
     block_activations: int  # a full block's saved set (what checkpointing recomputes one block at a time)
     last_block_activations: int  # the classifier's last block, which runs at the pooled tokens
@@ -237,7 +237,7 @@ class MemoryPlan:
 
     @property
     def persistent(self) -> int:
-        return self.weights + self.optimizer_state + self.ddp_buckets
+        return self.weights + self.optimizer_state
 
     @property
     def peak(self) -> int:
@@ -266,7 +266,7 @@ class MemoryPlan:
             "optimizer_state": r.optimizer_state,
             "gradient_checkpointing": r.gradient_checkpointing,
             "world_size": r.world_size,
-            **{k: getattr(self, k) for k in ("weights", "gradients", "optimizer_state", "ddp_buckets")},
+            **{k: getattr(self, k) for k in ("weights", "gradients", "optimizer_state")},
             **{k: getattr(self, k) for k in ("activations", "forward_work", "backward_work", "step_work")},
             "frozen_forward": self.frozen_forward,
             "phases": dict(self.phases),
@@ -313,7 +313,9 @@ def plan_memory(r: Recipe) -> MemoryPlan:
     # A checkpointed block's forward runs like a frozen one: its internals are temporaries.
     fwd_work = frozen_work if r.gradient_checkpointing else trained_forward_work(cfg, b, t)
     work = backward_work(cfg, b, t, s, r.device_type)
-    held = grads if r.grad_accum > 1 else 0  # accumulating: the earlier micro-batches' gradients are all there
+    # Gradients allocated through the forward: when accumulating (the earlier micro-batches' are there), and under
+    # DDP, where they are views of its all-reduce buckets, zeroed between steps but never freed (distributed.wrap).
+    held = grads if r.grad_accum > 1 or r.world_size > 1 else 0
     ckpt = r.gradient_checkpointing
 
     # Backward, block by block from the top (the head's and final norm's gradients come first, the embedding's
@@ -342,18 +344,19 @@ def plan_memory(r: Recipe) -> MemoryPlan:
         backward = max(backward, alive + at_end + max(held, done) + end_work)
     backward = max(backward, alive + grads)  # the embedding's gradient, when everything trains
     phases = {
-        "frozen forward": (frozen_work if k < cfg.n_layers else 0) + held,
+        "frozen forward": frozen_work + held,
         "forward": activations + fwd_work + held,
         "backward": backward,
         "optimizer step": grads + step_work,
     }
+    if k == cfg.n_layers:
+        del phases["frozen forward"]  # nothing is frozen
     return MemoryPlan(
         recipe=r,
         counts=counts,
         weights=s * counts.total + counts.buffer_bytes,
         gradients=grads,
         optimizer_state=optimizer_state,
-        ddp_buckets=s * p if r.world_size > 1 else 0,  # DDP's flat all-reduce buffers, a second copy of the grads
         activations=activations,
         block_activations=block_full if full else 0,
         last_block_activations=last,
@@ -401,9 +404,13 @@ def format_plan(plan: MemoryPlan, gpu: tuple[str, int] | None = None) -> str:
 
     row("weights", plan.weights, f"{c.total:,} x {s} B + rotary tables")
     row("optimizer state", plan.optimizer_state, f"{state}, {c.trainable:,} trained parameters")
-    if plan.ddp_buckets:
-        row("DDP gradient buckets", plan.ddp_buckets, "a second copy of the gradients for the all-reduce")
-    row("gradients", plan.gradients, f"{c.trainable:,} x {s} B, from backward to the optimizer step")
+    if r.world_size > 1:
+        kept = "views of DDP's all-reduce buckets, kept between steps"
+    elif r.grad_accum > 1:
+        kept = "kept while micro-batches accumulate"
+    else:
+        kept = "from backward to the optimizer step"
+    row("gradients", plan.gradients, f"{c.trainable:,} x {s} B, {kept}")
     k = r.trained_blocks
     if k > 1:
         each = "inputs only" if r.gradient_checkpointing else f"{plan.block_activations / GiB:.2f} GiB each"
@@ -427,9 +434,8 @@ def format_plan(plan: MemoryPlan, gpu: tuple[str, int] | None = None) -> str:
     lines.append("")
     persistent = plan.persistent
     for phase, n in plan.phases.items():
-        if n:  # no frozen forward when everything trains
-            mark = "  <- peak" if phase == plan.peak_phase else ""
-            row(f"peak in {phase}", persistent + n, f"weights + state + {n / GiB:.2f} GiB{mark}")
+        mark = "  <- peak" if phase == plan.peak_phase else ""
+        row(f"peak in {phase}", persistent + n, f"weights + state + {n / GiB:.2f} GiB{mark}")
     row("PEAK", plan.peak, "max_memory_allocated() should come out near this" if r.device_type == "cuda" else
         "bytes of live tensors (on CPU the allocator adds its own overhead)")  # fmt: skip
     row("needed", plan.required(), "peak + 5% + 0.5 GiB (CUDA context, allocator fragmentation)")

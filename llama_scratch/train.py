@@ -47,6 +47,11 @@ class TrainSettings:
     # parameter); "float32" adds float32 master weights and float32 moments (12 bytes; see optim.py).
     optimizer_state: str = "param"
 
+    @property
+    def eval_rows(self) -> int:
+        """Rows per batch where nothing trains (evaluation, the frozen-prefix pass): no gradients, so twice as many."""
+        return self.eval_batch_size or 2 * self.batch_size
+
 
 @dataclass
 class Split:
@@ -68,6 +73,9 @@ class TrainState:
     best_val_loss: float = math.inf
     best_epoch: int = -1
     history: list[dict] = field(default_factory=list)
+    # The epoch so far, summed over all processes: training loss x rows, correct predictions, rows. Kept here (not
+    # in the loop) so that an epoch resumed midway still reports on all of its batches.
+    epoch_sums: list[float] = field(default_factory=lambda: [0.0, 0.0, 0.0])
     train_seconds: float = 0.0
     train_tokens: int = 0
 
@@ -189,7 +197,7 @@ def evaluate(
     was_training = model.training
     model.eval()
     rows = sorted(range(len(split.ids)), key=lambda i: len(split.ids[i]))[env.rank :: env.world_size]
-    size = s.eval_batch_size or 2 * s.batch_size
+    size = s.eval_rows
     loss_sum = torch.zeros((), dtype=torch.float64, device=device)
     confusion = torch.zeros(num_classes, num_classes, dtype=torch.float64, device=device)  # [true, predicted]
     for start in tqdm(range(0, len(rows), size), desc, leave=False, disable=not env.is_main):
@@ -322,9 +330,9 @@ def train(
                 disable=not env.is_main,
             )
             started = time.perf_counter()
-            running = torch.zeros(3, dtype=torch.float64, device=device)  # loss sum, correct, rows this session
             for k in range(state.batches_done, len(batches), s.grad_accum):
                 loss = 0.0
+                sums = torch.zeros(3, dtype=torch.float64, device=device)  # loss x rows, correct, rows: this step
                 for j, rows in enumerate(batches[k : k + s.grad_accum]):
                     batch = to_batch(splits["train"], rows, pad_id, s.padding_side, device)
                     last = j == s.grad_accum - 1
@@ -335,13 +343,13 @@ def train(
                         micro = F.cross_entropy(logits.float(), batch["labels"]) / s.grad_accum
                         micro.backward()
                     loss += micro.item()
-                    running += torch.stack(
+                    sums += torch.stack(
                         [
                             micro.detach().double() * s.grad_accum * len(rows),
                             (logits.argmax(-1) == batch["labels"]).sum(),
                             torch.tensor(len(rows), device=device),
                         ]
-                    ).to(running)
+                    ).to(sums)
                     state.train_tokens += int(batch["attention_mask"].sum()) * env.world_size
                 params = [p for p in model.parameters() if p.requires_grad]
                 norm = nn.utils.clip_grad_norm_(params, s.clip_grad if s.clip_grad > 0 else float("inf"))
@@ -350,12 +358,16 @@ def train(
                         f"the loss became {loss} (gradient norm {norm.item()}) at step {state.step + 1}, epoch "
                         f"{state.epoch + 1}; try a lower --lr. The last good resume point is {resume_path}."
                     )
+                sums = distributed.all_sum(sums).tolist()
                 with interrupts_deferred():  # weights, optimizer, schedule and counters move together
                     optimizer.step()
                     scheduler.step()
-                    optimizer.zero_grad(set_to_none=True)
+                    # Alone, freeing gradients lowers the next forward's peak; under DDP they are views of its
+                    # all-reduce buckets (distributed.wrap), which must be kept: zero them instead.
+                    optimizer.zero_grad(set_to_none=not env.enabled)
                     state.step += 1
                     state.batches_done = k + s.grad_accum
+                    state.epoch_sums = [a + b for a, b in zip(state.epoch_sums, sums, strict=True)]
                 bar.update(1)
                 bar.set_postfix(loss=f"{loss:.4f}", lr=f"{scheduler.get_last_lr()[0]:.2e}")
                 if state.step % s.save_every == 0:
@@ -367,7 +379,7 @@ def train(
             finished_epoch = state.batches_done >= len(batches)
             # Train figures are running ones, from the batches as they were trained (a full pass costs as much as
             # the epoch); validation is a full evaluation.
-            loss_sum, correct, rows_seen = distributed.all_sum(running).tolist()
+            loss_sum, correct, rows_seen = state.epoch_sums
             val = evaluate(model, splits["val"], num_classes, pad_id, s, env, device, "evaluating val")
             row = {
                 "epoch": state.epoch + 1,
@@ -390,7 +402,7 @@ def train(
                 if env.is_main and on_best is not None:
                     on_best(row["epoch"])
             if finished_epoch:
-                state.epoch, state.batches_done = state.epoch + 1, 0
+                state.epoch, state.batches_done, state.epoch_sums = state.epoch + 1, 0, [0.0, 0.0, 0.0]
             save_point()
             if not finished_epoch:
                 break  # max_steps reached inside the epoch

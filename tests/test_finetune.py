@@ -14,6 +14,7 @@ import torch
 from safetensors.torch import load_file
 
 from llama_scratch import classify, finetune_classifier
+from llama_scratch.config import parse_dtype
 from llama_scratch.data import load_sms_spam
 
 
@@ -46,7 +47,7 @@ def run_module(*args: str, torchrun: int = 0, **kwargs) -> subprocess.CompletedP
     )
 
 
-def test_one_process_run_writes_results_and_classify_reads_them(small_csv, tmp_path, capsys):
+def test_one_process_run_writes_results_and_classify_reads_them(small_csv, tmp_path, capsys, monkeypatch):
     out = tmp_path / "run"
     assert finetune_classifier.main(args_for(small_csv, out, "--batch-size", "8")) == 0
     metrics = json.loads((out / "metrics.json").read_text())
@@ -63,6 +64,13 @@ def test_one_process_run_writes_results_and_classify_reads_them(small_csv, tmp_p
     assert classify.main(["--checkpoint", str(out), "WINNER! Claim your free prize now", "see you at lunch"]) == 0
     lines = capsys.readouterr().out.splitlines()
     assert len(lines) == 2 and all(line.split("\t")[0] in ("ham", "spam") for line in lines)
+
+    # Where the device would run bfloat16 by default (a GPU; faked here), a model trained in float32 is run in
+    # float32 (the precision its reported accuracy was measured in) unless asked otherwise.
+    as_on_a_gpu = lambda name, device: torch.bfloat16 if name == "auto" else parse_dtype(name)  # noqa: E731
+    monkeypatch.setattr(classify, "choose_dtype", as_on_a_gpu)
+    assert classify.load_classifier(out)[0].head.weight.dtype == torch.float32
+    assert classify.load_classifier(out, dtype="bfloat16")[0].head.weight.dtype == torch.bfloat16
 
 
 def test_saves_only_trained_parameters_for_a_pretrained_backbone(small_csv, tmp_path):
@@ -123,6 +131,8 @@ def test_resume_after_kill_equals_uninterrupted_run(small_csv, tmp_path):
     assert resumed.returncode == 0, resumed.stderr
     a, b = load_file(full / "classifier.safetensors"), load_file(killed / "classifier.safetensors")
     assert max((a[k] - b[k]).abs().max().item() for k in a) == 0.0
+    # The running train figures of the epoch that was cut cover all of its batches, not only those after the resume.
+    assert (full / "history.csv").read_text() == (killed / "history.csv").read_text()
     assert json.loads((full / "metrics.json").read_text())["test_loss"] == pytest.approx(
         json.loads((killed / "metrics.json").read_text())["test_loss"], abs=1e-6
     )

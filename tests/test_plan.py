@@ -39,14 +39,16 @@ def test_llama3_8b_parameter_arithmetic_is_exact():
     assert plan.weights == (8_030_261_248 + 2 * D) * 2 + rope
     assert plan.gradients == c.trainable * 2
     assert plan.optimizer_state == c.trainable * 2 * 2  # exp_avg + exp_avg_sq in bfloat16
-    assert plan.ddp_buckets == 0
 
     every = plan_memory(Recipe(cfg, 8, 128, train_last=None, gradient_checkpointing=True))
     assert every.counts.trainable == 8_030_261_248 - V * D + 2 * D  # all but the unused language-model head
     master = plan_memory(Recipe(cfg, 8, 128, train_last=4, optimizer_state="float32", world_size=8))
     assert master.counts.trainable == 2 * D + D + 4 * BLOCK_8B
     assert master.optimizer_state == master.counts.trainable * (4 + 4 + 4)  # float32 master, exp_avg, exp_avg_sq
-    assert master.ddp_buckets == master.gradients
+    # Under DDP the gradients are views of the all-reduce buckets: one copy, kept through the forward.
+    alone = plan_memory(Recipe(cfg, 8, 128, train_last=4, optimizer_state="float32"))
+    assert master.persistent == alone.persistent
+    assert master.phases["forward"] == alone.phases["forward"] + master.gradients
 
 
 def test_tied_embeddings_are_counted_once():
