@@ -39,7 +39,8 @@ import transformers
 from torch import nn
 
 from llama_scratch import Llama, LlamaClassifier, LlamaConfig, Tokenizer
-from llama_scratch.data import collate, load_sms_spam
+from llama_scratch.batching import collate
+from llama_scratch.data import load_sms_spam
 from llama_scratch.train import TrainSettings, make_optimizer
 from llama_scratch.weights import load_weights, ours_to_hf, save_checkpoint
 

@@ -14,9 +14,9 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
+from .batching import collate, length_sorted_batches
 from .classifier import LlamaClassifier
 from .config import LlamaConfig, parse_dtype
-from .data import collate
 from .download import DownloadError
 from .finetune_classifier import choose_dtype
 from .model import Llama
@@ -67,10 +67,8 @@ def predict(
     """(class id, probability) per text, in input order. Texts are batched by length to pad little."""
     device = clf.head.weight.device
     ids = [tokenizer.encode(t, bos=True)[:max_length] for t in texts]
-    order = sorted(range(len(ids)), key=lambda i: len(ids[i]))
     out: list[tuple[int, float]] = [(0, 0.0)] * len(ids)
-    for start in range(0, len(order), batch_size):
-        rows = order[start : start + batch_size]
+    for rows in length_sorted_batches([len(x) for x in ids], batch_size):
         batch = collate([(ids[i], 0) for i in rows], tokenizer.pad_id)
         probs = clf(batch["input_ids"].to(device), batch["attention_mask"].to(device)).float().softmax(-1)
         best = probs.max(-1)

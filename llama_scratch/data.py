@@ -1,14 +1,12 @@
-"""Datasets for classification: the bundled SMS Spam Collection and user files, splits, and padded batches.
+"""Labelled texts for classification: the bundled SMS Spam Collection, and the user's CSV, TSV or JSONL files.
 
-The path of a dataset: `load_dataset` reads rows into `LabelledTexts` (bad rows are skipped and reported, never
-fatal), `split_dataset` cuts train/val/test, `encode_texts` turns texts into token ids, and `make_loader` batches
-them, padding each batch to its own longest row.
+`load_dataset` reads rows into `LabelledTexts`; bad rows are skipped and reported (file, line, why), never fatal.
+What follows: `splits.split_dataset` cuts train/val/test, and `batching` turns texts into padded token batches.
 """
 
 from __future__ import annotations
 
 import csv
-import functools
 import io
 import json
 import re
@@ -19,15 +17,8 @@ from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from importlib import resources
 from pathlib import Path
-from typing import Protocol
-
-import numpy as np
-import torch
-from torch.utils.data import DataLoader, Dataset, DistributedSampler, Sampler
-from tqdm import tqdm
 
 BUNDLED = ("sms_spam",)
-PROTOCOLS = ("book", "dedup", "stratified", "full")
 TEXT_NAMES = ("text", "sentence", "message", "content", "body", "review", "document", "comment", "tweet", "sms")
 LABEL_NAMES = ("label", "labels", "class", "category", "target", "sentiment", "intent", "topic")
 _UNDECODABLE = re.compile("[\udc80-\udcff]")  # what errors="surrogateescape" turns non-UTF-8 bytes into
@@ -339,191 +330,3 @@ def _build(items: list[tuple[int, str, str]], skipped: list[BadRow], path: Path)
     if skipped:
         warnings.warn(f"{path}: skipped {len(skipped):,} bad rows: {data.skipped_report()}", DataWarning, 3)
     return data
-
-
-# ---------------------------------------------------------------------------------------------- splits
-
-
-def default_protocol(name_or_path: str | Path) -> str:
-    """`book` for the bundled SMS set (comparable with the book); `stratified` for user files.
-
-    For user data, undersampling to the smallest class can throw most of it away (10,000 vs 200 rows leaves 400),
-    so the default keeps every row and gives each split the same class proportions, which keeps rare classes in
-    val and test. With imbalanced classes read the per-class precision/recall, not only accuracy.
-    """
-    return "book" if str(name_or_path) in BUNDLED else "stratified"
-
-
-def dedup_key(text: str) -> str:
-    """Texts equal up to case and whitespace count as duplicates (SMS: 5,159 distinct, vs 5,171 byte-exact)."""
-    return " ".join(text.split()).casefold()
-
-
-def first_occurrences(data: LabelledTexts) -> list[int]:
-    """Indices of the first row of each distinct text (by `dedup_key`); warns if a text has two labels."""
-    first: dict[str, int] = {}
-    conflicts = 0
-    for i, text in enumerate(data.texts):
-        key = dedup_key(text)
-        if key not in first:
-            first[key] = i
-        elif data.labels[first[key]] != data.labels[i]:
-            conflicts += 1
-    if conflicts:
-        warnings.warn(f"{data.source}: {conflicts:,} repeats have another label; kept the first", DataWarning, 2)
-    return sorted(first.values())
-
-
-def shared_texts(a: LabelledTexts, b: LabelledTexts) -> int:
-    """How many rows of `b` have a text (by `dedup_key`) that also occurs in `a`: leakage from train into test."""
-    keys = {dedup_key(t) for t in a.texts}
-    return sum(dedup_key(t) in keys for t in b.texts)
-
-
-def split_dataset(
-    data: LabelledTexts, protocol: str = "book", seed: int = 123, fractions: tuple[float, float] = (0.7, 0.1)
-) -> dict[str, LabelledTexts]:
-    """Train/val/test splits: train = int(0.7 n), val = int(0.1 n), test = the rest.
-
-    - `book` (default for sms_spam), as in *Build a Large Language Model (From Scratch)*, ch. 6: undersample every
-      class to the size of the smallest (a random subset), shuffle, cut. SMS: 747 + 747 = 1,494 -> 1045/149/300.
-      The rows drawn differ from the book's: it sampled with pandas (random_state=123), and pandas' default
-      quoting reads this file as 5,572 rows.
-    - `dedup`: `book` after keeping only the first row of each distinct text, so no message is in both train and
-      test (the book split has some: 403 SMS rows repeat an earlier text). SMS: 642 + 642 -> 898/128/258.
-    - `stratified` (default for user files): every row; each split keeps the class proportions (within a row).
-    - `full`: every row, shuffled, cut.
-    Randomness comes only from `numpy.random.default_rng(seed)`, so a seed gives the same splits everywhere.
-    """
-    if protocol not in PROTOCOLS:
-        raise ValueError(f"unknown split protocol {protocol!r}; choose one of: {', '.join(PROTOCOLS)}")
-    rng = np.random.default_rng(seed)
-    labels = np.asarray(data.labels)
-    index = np.asarray(first_occurrences(data) if protocol == "dedup" else range(len(data)), dtype=np.int64)
-    if protocol in ("book", "dedup"):
-        members = [index[labels[index] == c] for c in range(data.num_classes)]
-        smallest = min(len(m) for m in members)
-        index = rng.permutation(np.concatenate([rng.choice(m, smallest, replace=False) for m in members]))
-    elif protocol == "stratified":  # order rows by their position within their (shuffled) class, then cut
-        position = np.empty(len(index))
-        for c in range(data.num_classes):
-            where = np.flatnonzero(labels == c)
-            position[rng.permutation(where)] = (np.arange(len(where)) + 0.5) / max(len(where), 1)
-        index = index[np.argsort(position, kind="stable")]
-    else:
-        index = rng.permutation(index)
-    n = len(index)
-    n_train, n_val = int(n * fractions[0]), int(n * fractions[1])
-    parts = {"train": index[:n_train], "val": index[n_train : n_train + n_val], "test": index[n_train + n_val :]}
-    if min(len(p) for p in parts.values()) == 0:
-        sizes = "/".join(str(len(p)) for p in parts.values())
-        raise DataError(f"{data.source}: {n} rows under '{protocol}' give train/val/test {sizes}; need more rows")
-    if protocol == "stratified":  # the cut left each split ordered by position; mix the classes
-        parts = {name: rng.permutation(p) for name, p in parts.items()}
-    return {name: data.subset(p.tolist()) for name, p in parts.items()}
-
-
-# ---------------------------------------------------------------------------------------------- batching
-
-
-class Encoder(Protocol):
-    """What the data code needs from a tokenizer (our `Tokenizer`, or any object with these two members)."""
-
-    pad_id: int
-
-    def encode(self, text: str, bos: bool = True, eos: bool = False) -> list[int]: ...
-
-
-def encode_texts(
-    texts: Sequence[str], tokenizer: Encoder, max_length: int | None = None, progress: bool = False
-) -> tuple[list[list[int]], int]:
-    """Token ids with BOS (no EOS) per text, and how many were truncated.
-
-    Truncation keeps the first `max_length` tokens (BOS included) and drops the end: the classifier then reads
-    the last kept token, so the model never sees the tail. `max_length=None` keeps everything.
-    """
-    if max_length is not None and max_length < 1:
-        raise ValueError(f"max_length must be at least 1, got {max_length}")
-    ids = [tokenizer.encode(t, bos=True, eos=False) for t in tqdm(texts, "tokenizing", disable=not progress)]
-    if max_length is None:
-        return ids, 0
-    return [x[:max_length] for x in ids], sum(len(x) > max_length for x in ids)
-
-
-def default_max_length(token_lists: Sequence[Sequence[int]], model_max: int) -> int:
-    """Long enough for the longest row, capped by the model's context (batches pad only to their own longest)."""
-    if not token_lists:
-        raise ValueError("no token lists to measure")
-    return min(max(len(x) for x in token_lists), model_max)
-
-
-class EncodedDataset(Dataset):
-    """(token ids, class id) pairs, kept as lists: rows differ in length until `collate` pads a batch."""
-
-    def __init__(self, token_ids: Sequence[Sequence[int]], labels: Sequence[int]) -> None:
-        if len(token_ids) != len(labels):
-            raise ValueError(f"{len(token_ids)} token lists but {len(labels)} labels")
-        if any(len(x) == 0 for x in token_ids):
-            raise ValueError("an encoded row is empty; encode with bos=True so every row has a real token")
-        self.token_ids, self.labels = token_ids, labels
-
-    def __len__(self) -> int:
-        return len(self.token_ids)
-
-    def __getitem__(self, i: int) -> tuple[Sequence[int], int]:
-        return self.token_ids[i], int(self.labels[i])
-
-
-def collate(
-    batch: Sequence[tuple[Sequence[int], int]], pad_id: int, padding_side: str = "right"
-) -> dict[str, torch.Tensor]:
-    """Pad to the batch's longest row: `input_ids` [B, T], `attention_mask` [B, T] (1 = real), `labels` [B].
-
-    `pad_id` must be a real token id (the embedding still looks padded positions up; the mask hides them).
-    """
-    if padding_side not in ("right", "left"):
-        raise ValueError(f"padding_side must be 'right' or 'left', got {padding_side!r}")
-    if pad_id is None or pad_id < 0:
-        raise ValueError(f"pad_id must be a valid token id, got {pad_id!r}")
-    longest = max(len(ids) for ids, _ in batch)
-    input_ids = torch.full((len(batch), longest), pad_id, dtype=torch.long)
-    attention_mask = torch.zeros((len(batch), longest), dtype=torch.long)
-    for row, (ids, _) in enumerate(batch):
-        span = slice(0, len(ids)) if padding_side == "right" else slice(longest - len(ids), longest)
-        input_ids[row, span] = torch.as_tensor(ids, dtype=torch.long)
-        attention_mask[row, span] = 1
-    labels = torch.tensor([label for _, label in batch], dtype=torch.long)
-    return {"input_ids": input_ids, "attention_mask": attention_mask, "labels": labels}
-
-
-def make_loader(
-    encoded: Sequence[Sequence[int]],
-    labels: Sequence[int],
-    batch_size: int,
-    shuffle: bool,
-    seed: int,
-    pad_id: int,
-    sampler: Sampler | None = None,
-    *,
-    padding_side: str = "right",
-    num_replicas: int = 1,
-    rank: int = 0,
-) -> DataLoader:
-    """A DataLoader of padded batches whose order depends only on (seed, epoch): call `loader.sampler.set_epoch`.
-
-    Without `sampler` it uses `DistributedSampler(num_replicas, rank, shuffle, seed)`: with the defaults that is
-    a single process seeing exactly the order one DDP replica would (batch 8 on one process = the union of batch 4
-    on each of two ranks), and under DDP pass `num_replicas`/`rank` (or your own sampler). That sampler pads the
-    last round with repeated rows so every rank gets the same count; count evaluation samples accordingly.
-    The loader gets its own seeded `torch.Generator` so iterating it never draws from the global torch RNG.
-    """
-    dataset = EncodedDataset(encoded, labels)
-    if sampler is None:
-        sampler = DistributedSampler(dataset, num_replicas=num_replicas, rank=rank, shuffle=shuffle, seed=seed)
-    return DataLoader(
-        dataset,
-        batch_size=batch_size,
-        sampler=sampler,
-        collate_fn=functools.partial(collate, pad_id=pad_id, padding_side=padding_side),
-        generator=torch.Generator().manual_seed(seed),
-    )

@@ -20,14 +20,15 @@ from pathlib import Path
 import torch
 
 from . import distributed
+from .batching import default_max_length, encode_texts
 from .classifier import LlamaClassifier
 from .config import PRESETS, LlamaConfig, parse_dtype
-from .data import DataError, DataWarning, default_max_length, default_protocol, encode_texts, load_dataset
-from .data import split_dataset as make_splits
+from .data import DataError, DataWarning, load_dataset
 from .download import DownloadError, default_dir, fetch, fetch_smollm2
 from .model import Llama
 from .plan import plan_command
 from .prefix_cache import cache_bytes, compute_frozen_states, free_memory, frozen_blocks, memory_budget
+from .splits import default_protocol, split_dataset
 from .tokenizer import Tokenizer
 from .train import Split, TrainingDiverged, TrainSettings, evaluate, per_class, train
 from .weights import CheckpointError, load_model, save_weights, write_text_atomic
@@ -218,7 +219,7 @@ def run(args: argparse.Namespace) -> dict:
     data = load_dataset(args.data, text_column=args.text_column, label_column=args.label_column)
     log(data.describe())
     protocol = args.split or default_protocol(args.data)
-    parts = make_splits(data, protocol=protocol, seed=args.seed)
+    parts = split_dataset(data, protocol=protocol, seed=args.seed)
     log(f"split '{protocol}': " + ", ".join(f"{k} {len(v):,}" for k, v in parts.items()))
 
     # --- model and tokenizer

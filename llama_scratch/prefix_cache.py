@@ -14,8 +14,8 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
+from .batching import collate, length_sorted_batches
 from .classifier import LlamaClassifier
-from .data import collate
 
 
 def frozen_blocks(clf: LlamaClassifier) -> int:
@@ -61,10 +61,9 @@ def compute_frozen_states(
     """
     backbone, start = clf.backbone, frozen_blocks(clf)
     device = clf.head.weight.device
-    order = sorted(range(len(token_lists)), key=lambda i: len(token_lists[i]))
     states: list[torch.Tensor] = [torch.empty(0)] * len(token_lists)
-    for first in tqdm(range(0, len(order), batch_size), "caching frozen layers", leave=False, disable=not show):
-        rows = order[first : first + batch_size]
+    batches = length_sorted_batches([len(x) for x in token_lists], batch_size)
+    for rows in tqdm(batches, "caching frozen layers", leave=False, disable=not show):
         batch = collate([(token_lists[i], 0) for i in rows], pad_id)
         ids, mask = batch["input_ids"].to(device), batch["attention_mask"].to(device)
         x = backbone.run_blocks(backbone.embed_tokens(ids), mask, stop=start)

@@ -22,7 +22,7 @@ from torch.utils.data import DistributedSampler
 from tqdm.auto import tqdm
 
 from . import distributed
-from .data import collate
+from .batching import collate, length_sorted_batches
 from .distributed import Dist
 from .optim import MasterWeightAdamW
 from .prefix_cache import pad_states
@@ -196,12 +196,11 @@ def evaluate(
     model = distributed.unwrap(model)
     was_training = model.training
     model.eval()
-    rows = sorted(range(len(split.ids)), key=lambda i: len(split.ids[i]))[env.rank :: env.world_size]
-    size = s.eval_rows
+    batches = length_sorted_batches([len(x) for x in split.ids], s.eval_rows, env.rank, env.world_size)
     loss_sum = torch.zeros((), dtype=torch.float64, device=device)
     confusion = torch.zeros(num_classes, num_classes, dtype=torch.float64, device=device)  # [true, predicted]
-    for start in tqdm(range(0, len(rows), size), desc, leave=False, disable=not env.is_main):
-        batch = to_batch(split, rows[start : start + size], pad_id, s.padding_side, device)
+    for rows in tqdm(batches, desc, leave=False, disable=not env.is_main):
+        batch = to_batch(split, rows, pad_id, s.padding_side, device)
         logits = forward(model, batch).float()
         loss_sum += F.cross_entropy(logits, batch["labels"], reduction="sum").double()
         flat = batch["labels"] * num_classes + logits.argmax(-1)

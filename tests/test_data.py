@@ -4,28 +4,8 @@ from importlib import resources
 import pytest
 import torch
 
-from llama_scratch.data import (
-    DataError,
-    DataWarning,
-    LabelledTexts,
-    collate,
-    default_max_length,
-    encode_texts,
-    load_dataset,
-    load_sms_spam,
-    make_loader,
-    shared_texts,
-    split_dataset,
-)
-
-
-class ByteTokenizer:
-    """Stands in for `Tokenizer`: one token per UTF-8 byte, BOS = 256."""
-
-    pad_id = 0
-
-    def encode(self, text, bos=True, eos=False):
-        return [256] * bos + list(text.encode("utf-8")) + [257] * eos
+from llama_scratch.data import DataError, DataWarning, LabelledTexts, load_dataset, load_sms_spam
+from llama_scratch.splits import shared_texts, split_dataset
 
 
 def write(tmp_path, name, content):
@@ -218,51 +198,3 @@ def test_unusable_files_name_the_file(tmp_path):
         load_dataset(write(tmp_path, "one.csv", "text,label\nx,a\ny,a\n"))
     with pytest.raises(DataError, match="d.xlsx: unsupported"):
         load_dataset(write(tmp_path, "d.xlsx", "x"))
-
-
-# ---------------------------------------------------------------------------------------------- batching
-
-
-def test_encode_texts_adds_bos_and_truncates_the_end():
-    ids, truncated = encode_texts(["ab", "abcdef"], ByteTokenizer(), max_length=4)
-    assert ids == [[256, 97, 98], [256, 97, 98, 99]] and truncated == 1
-    full, none = encode_texts(["ab", "abcdef"], ByteTokenizer())
-    assert none == 0 and default_max_length(full, 512) == 7 and default_max_length(full, 5) == 5
-
-
-@pytest.mark.parametrize("side", ["right", "left"])
-def test_collate_pads_to_the_batch_longest(side):
-    batch = collate([([5, 6, 7], 1), ([8], 0)], pad_id=0, padding_side=side)
-    assert batch["input_ids"].dtype == batch["attention_mask"].dtype == batch["labels"].dtype == torch.long
-    if side == "right":
-        assert batch["input_ids"].tolist() == [[5, 6, 7], [8, 0, 0]]
-        assert batch["attention_mask"].tolist() == [[1, 1, 1], [1, 0, 0]]
-    else:
-        assert batch["input_ids"].tolist() == [[5, 6, 7], [0, 0, 8]]
-        assert batch["attention_mask"].tolist() == [[1, 1, 1], [0, 0, 1]]
-    assert batch["labels"].tolist() == [1, 0]
-    with pytest.raises(ValueError, match="padding_side"):
-        collate([([1], 0)], pad_id=0, padding_side="middle")
-
-
-def test_loader_order_is_seeded_and_matches_ddp_replicas():
-    encoded = [[256] + [1] * (i % 7) for i in range(32)]
-    labels = [i % 2 for i in range(32)]
-
-    def epoch(loader, n):
-        loader.sampler.set_epoch(n)
-        return [b["input_ids"].shape[1] for b in loader], [b["labels"] for b in loader]
-
-    single = make_loader(encoded, labels, batch_size=8, shuffle=True, seed=3, pad_id=0)
-    widths, batches = epoch(single, 0)
-    assert widths == [max(1 + (i % 7) for i in idx) for idx in torch.tensor(list(single.sampler)).view(4, 8).tolist()]
-    before = torch.get_rng_state()
-    assert epoch(make_loader(encoded, labels, 8, True, 3, 0), 0)[0] == widths  # same seed, same order
-    assert torch.equal(torch.get_rng_state(), before)  # iterating leaves the global RNG alone
-    first = list(single.sampler)
-    single.sampler.set_epoch(1)
-    assert list(single.sampler) != first  # each epoch has its own order
-    single.sampler.set_epoch(0)
-    replicas = [make_loader(encoded, labels, 4, True, 3, 0, num_replicas=2, rank=r) for r in (0, 1)]
-    union = [sorted(list(a) + list(b)) for a, b in zip(*(r.batch_sampler for r in replicas), strict=True)]
-    assert union == [sorted(b) for b in single.batch_sampler]
