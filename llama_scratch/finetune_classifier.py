@@ -26,7 +26,7 @@ from .config import PRESETS, LlamaConfig, parse_dtype
 from .data import DataError, DataWarning, load_dataset
 from .download import DownloadError, default_dir, fetch, fetch_smollm2
 from .model import Llama
-from .plan import plan_command
+from .plan_report import plan_command
 from .prefix_cache import cache_bytes, compute_frozen_states, free_memory, frozen_blocks, memory_budget
 from .splits import default_protocol, split_dataset
 from .tokenizer import Tokenizer
@@ -137,6 +137,20 @@ def default_model(
         return "tiny"
 
 
+def trains_from_scratch(model_ref: str) -> bool:
+    """A preset name (not a directory of that name) means random weights: nothing pretrained to start from."""
+    return model_ref in PRESETS and not Path(model_ref).exists()
+
+
+def chosen_train_last(arg: str | None, from_scratch: bool) -> int | None:
+    """`--train-last` as a number of blocks (None: everything). A pretrained model needs only its top adjusted,
+    gently; random weights must all learn."""
+    value = arg or ("all" if from_scratch else "2")
+    if value != "all" and not value.isdigit():
+        raise ValueError(f"--train-last takes a number of blocks or 'all', not {value!r}")
+    return None if value == "all" else int(value)
+
+
 def is_repo_id(ref: str) -> bool:
     """'owner/name' that is neither a preset nor an existing path: a Hugging Face repository to fetch."""
     return ref not in PRESETS and not Path(ref).exists() and re.fullmatch(r"[\w.-]+/[\w.-]+", ref) is not None
@@ -206,7 +220,9 @@ def plot_history(rows: list[dict], path: Path) -> bool:
 
 def run(args: argparse.Namespace) -> dict:
     if args.plan:  # before the process group, the data and the weights: nothing is allocated
-        return plan_command(args)
+        if args.model is None:  # the default model may have to be downloaded: a plan names its model instead
+            raise ValueError("--plan needs --model: a preset (e.g. llama3-8b), a checkpoint directory or a repo id")
+        return plan_command(args, chosen_train_last(args.train_last, trains_from_scratch(args.model)))
     env, device = distributed.setup(args.device)
     log = print if env.is_main else (lambda *a, **k: None)
     if not env.is_main:
@@ -233,13 +249,9 @@ def run(args: argparse.Namespace) -> dict:
         raise DataError(f"{out} holds an unfinished run: pass --resume to continue it or --overwrite to restart")
     backbone = load_model(model_ref, device=device, dtype=dtype, progress=env.is_main)
     backbone.gradient_checkpointing = args.gradient_checkpointing
-    from_scratch = model_ref in PRESETS and not Path(model_ref).exists()
-    # A pretrained model needs only its top adjusted, gently; random weights must all learn, and faster.
-    train_last_arg = args.train_last or ("all" if from_scratch else "2")
-    if train_last_arg != "all" and not train_last_arg.isdigit():
-        raise ValueError(f"--train-last takes a number of blocks or 'all', not {train_last_arg!r}")
-    train_last = None if train_last_arg == "all" else int(train_last_arg)
-    lr = args.lr or (1e-3 if from_scratch else 2e-4)
+    from_scratch = trains_from_scratch(model_ref)
+    train_last = chosen_train_last(args.train_last, from_scratch)
+    lr = args.lr or (1e-3 if from_scratch else 2e-4)  # random weights must all learn, and faster
     tokenizer, tokenizer_ref = resolve_tokenizer(model_ref, backbone.cfg, log)
     if tokenizer.n_words > backbone.cfg.vocab_size:
         raise ValueError(

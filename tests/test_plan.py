@@ -2,6 +2,7 @@
 live tensors of real training steps on CPU, the --plan command, and the CPU shape of the GPU benchmark."""
 
 import dataclasses
+import json
 import sys
 from pathlib import Path
 
@@ -11,7 +12,8 @@ import torch.nn.functional as F
 
 from llama_scratch import Llama, LlamaClassifier, LlamaConfig
 from llama_scratch import finetune_classifier as command
-from llama_scratch.plan import Recipe, count_parameters, format_plan, plan_memory
+from llama_scratch.plan import Recipe, count_parameters, plan_memory
+from llama_scratch.plan_report import format_plan
 from llama_scratch.train import TrainSettings, make_optimizer
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
@@ -155,6 +157,18 @@ def test_plan_command_prints_without_loading_anything(monkeypatch, capsys):
     assert "FITS on" in capsys.readouterr().out
     assert command.main(["--plan"]) == 2  # no --model: the default model might have to be downloaded
     assert "--plan needs --model" in capsys.readouterr().err
+
+
+def test_plan_defaults_are_the_runs_defaults(tmp_path, capsys):
+    """Without --train-last the plan assumes what a run would do: the last 2 blocks of a pretrained checkpoint
+    (only its config.json is read), everything for a preset's random weights."""
+    pretrained = tmp_path / "Meta-Llama-3-8B"
+    pretrained.mkdir()
+    (pretrained / "config.json").write_text(json.dumps(LlamaConfig.from_name("llama3-8b").to_hf_dict()))
+    assert command.main(["--model", str(pretrained), "--plan", "--gpu-memory", "80"]) == 0
+    assert "train last 2 block(s)" in capsys.readouterr().out
+    assert command.main(["--model", "llama3-8b", "--plan", "--gpu-memory", "80"]) == 0
+    assert "train all blocks and the embedding" in capsys.readouterr().out
 
 
 def test_format_plan_names_every_part():
