@@ -25,7 +25,7 @@ from .classifier import LlamaClassifier
 from .config import PRESETS, LlamaConfig, parse_dtype
 from .data import DataError, DataWarning, load_dataset
 from .download import DownloadError, default_dir, fetch, fetch_smollm2
-from .model import Llama
+from .plan import count_parameters
 from .plan_report import plan_command
 from .prefix_cache import cache_bytes, compute_frozen_states, free_memory, frozen_blocks, memory_budget
 from .splits import default_protocol, split_dataset
@@ -101,11 +101,6 @@ def find_checkpoints(root: Path | None = None) -> list[Path]:
     return sorted(d for d in root.iterdir() if (d / "config.json").is_file() and any(d.glob("*.safetensors")))
 
 
-def parameter_count(cfg: LlamaConfig) -> int:
-    with torch.device("meta"):
-        return sum(p.numel() for p in Llama(cfg).parameters())
-
-
 def default_model(
     device: torch.device, dtype: torch.dtype, log=print, root: Path | None = None, fetch: bool = True
 ) -> str:
@@ -115,7 +110,7 @@ def default_model(
     sized = []
     for d in find_checkpoints(root):
         try:
-            sized.append((parameter_count(LlamaConfig.from_hf(d)), d))
+            sized.append((count_parameters(LlamaConfig.from_hf(d)).backbone, d))
         except (ValueError, FileNotFoundError) as e:
             log(f"skipping {d}: {e}")
     fitting = [(n, d) for n, d in sized if n * dtype.itemsize < budget]
