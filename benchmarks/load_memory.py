@@ -56,7 +56,8 @@ def disk_read_bytes() -> int:
 
 def load(method: str, ckpt: Path, device: torch.device) -> torch.nn.Module:
     from llama_scratch import Llama, LlamaConfig
-    from llama_scratch.weights import hf_to_ours, load_weights
+    from llama_scratch.checkpoint_files import hf_to_ours
+    from llama_scratch.weights import load_weights
 
     cfg = LlamaConfig.from_hf(ckpt)
     if method == "raw":  # the least any loader must do: the files' bytes into new memory on the device

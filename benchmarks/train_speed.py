@@ -40,9 +40,10 @@ from torch import nn
 
 from llama_scratch import Llama, LlamaClassifier, LlamaConfig, Tokenizer
 from llama_scratch.batching import collate
+from llama_scratch.checkpoint_files import ours_to_hf
 from llama_scratch.data import load_sms_spam
 from llama_scratch.train import TrainSettings, make_optimizer
-from llama_scratch.weights import load_weights, ours_to_hf, save_checkpoint
+from llama_scratch.weights import load_weights, save_checkpoint
 
 BENCH_PRESETS = {
     # ~27M parameters in the blocks + 16.8M in the (tied) embedding: one step ~0.1-1 s on a 2-core CPU.
