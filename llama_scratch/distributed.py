@@ -101,6 +101,29 @@ def barrier() -> None:
         dist.barrier()
 
 
+def all_gather_rows(
+    indices: list[int], rows: list[torch.Tensor], width: int, dtype: torch.dtype, device: torch.device
+) -> dict[int, torch.Tensor]:
+    """Every process's `rows` ([length, width] tensors, lengths free) by their `indices`, on every process.
+
+    One collective moves them all: each process packs its rows end to end, pads the pack to the longest
+    process's, and all-gathers the packs; the rows come back as views into the gathered packs.
+    """
+    lengths = [r.shape[0] for r in rows]
+    everyone: list = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, (indices, lengths))
+    pack = torch.zeros(max(sum(n) for _, n in everyone), width, dtype=dtype, device=device)
+    if rows:
+        pack[: sum(lengths)] = torch.cat(rows)
+    packs = [torch.empty_like(pack) for _ in everyone]
+    dist.all_gather(packs, pack)
+    out = {}
+    for (their_indices, their_lengths), their_pack in zip(everyone, packs, strict=True):
+        pieces = their_pack[: sum(their_lengths)].split(their_lengths)
+        out.update(zip(their_indices, pieces, strict=True))
+    return out
+
+
 def broadcast_object(obj):
     """Rank 0's value of a picklable object, on every rank (e.g. a path decided on rank 0)."""
     if not dist.is_initialized():

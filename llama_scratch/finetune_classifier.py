@@ -278,9 +278,8 @@ def run(args: argparse.Namespace) -> dict:
     n_train = sum(p.numel() for p in clf.trainable_parameters().values())
     log(f"training {n_train:,} of {sum(p.numel() for p in clf.parameters()):,} parameters on {device} in {dtype}")
     if use_cache(args.cache_frozen, clf, ids, device, log):
-        show = env.is_main
         splits = {
-            k: Split(v.ids, v.labels, compute_frozen_states(clf, v.ids, tokenizer.pad_id, settings.eval_rows, show))
+            k: Split(v.ids, v.labels, compute_frozen_states(clf, v.ids, tokenizer.pad_id, settings.eval_rows, env=env))
             for k, v in splits.items()
         }
     model = distributed.wrap(clf, env, device)

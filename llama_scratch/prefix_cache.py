@@ -14,8 +14,10 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
+from . import distributed
 from .batching import collate, length_sorted_batches
 from .classifier import LlamaClassifier
+from .distributed import Dist
 
 
 def frozen_blocks(clf: LlamaClassifier) -> int:
@@ -52,23 +54,34 @@ def free_memory(device: torch.device) -> int:
 
 @torch.no_grad()
 def compute_frozen_states(
-    clf: LlamaClassifier, token_lists: list[list[int]], pad_id: int, batch_size: int = 16, show: bool = True
+    clf: LlamaClassifier,
+    token_lists: list[list[int]],
+    pad_id: int,
+    batch_size: int = 16,
+    show: bool = True,
+    env: Dist | None = None,
 ) -> list[torch.Tensor]:
     """Each text's residual stream after the frozen blocks: a [length, dim] tensor per text, on the model's device.
 
     Texts go through in batches sorted by length (little padding). Right padding keeps each row's real
-    positions identical to running it alone, since causal attention never looks ahead at the pads.
+    positions identical to running it alone, since causal attention never looks ahead at the pads. Under DDP
+    each process computes every N-th text and the processes then exchange them: all end up with every text.
     """
+    env = env or Dist()  # one process
     backbone, start = clf.backbone, frozen_blocks(clf)
-    device = clf.head.weight.device
+    device, dtype = clf.head.weight.device, backbone.embed_tokens.weight.dtype
     states: list[torch.Tensor] = [torch.empty(0)] * len(token_lists)
-    batches = length_sorted_batches([len(x) for x in token_lists], batch_size)
-    for rows in tqdm(batches, "caching frozen layers", leave=False, disable=not show):
+    batches = length_sorted_batches([len(x) for x in token_lists], batch_size, env.rank, env.world_size)
+    for rows in tqdm(batches, "caching frozen layers", leave=False, disable=not (show and env.is_main)):
         batch = collate([(token_lists[i], 0) for i in rows], pad_id)
         ids, mask = batch["input_ids"].to(device), batch["attention_mask"].to(device)
         x = backbone.run_blocks(backbone.embed_tokens(ids), mask, stop=start)
         for row, i in enumerate(rows):
             states[i] = x[row, : len(token_lists[i])].clone()
+    if env.enabled:
+        mine = [i for rows in batches for i in rows]
+        everyone = distributed.all_gather_rows(mine, [states[i] for i in mine], backbone.cfg.dim, dtype, device)
+        states = [everyone[i] for i in range(len(token_lists))]
     return states
 
 

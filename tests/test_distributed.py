@@ -1,4 +1,4 @@
-"""DDP's gradients: one copy per process, shared with the all-reduce buckets, and kept across training steps."""
+"""Under DDP: gradients kept once (as views of the all-reduce buckets), and the frozen-prefix cache shared out."""
 
 import os
 import subprocess
@@ -7,6 +7,7 @@ import textwrap
 
 SCRIPT = textwrap.dedent(
     """
+    import os
     import tempfile
     from pathlib import Path
 
@@ -30,7 +31,7 @@ SCRIPT = textwrap.dedent(
     assert all(p.grad.count_nonzero() == 0 for p in trained)
     buckets = {p.grad._base.untyped_storage().data_ptr() for p in trained}
     assert len(buckets) <= len(trained) // 2, buckets  # a few flat buckets, not one tensor per parameter
-    print("rank", env.rank, "ok")
+    os.write(1, f"rank {env.rank} ok\\n".encode())  # one write: the two ranks share the pipe
     distributed.teardown()
     """
 )
@@ -39,6 +40,43 @@ SCRIPT = textwrap.dedent(
 def test_gradients_are_views_of_ddp_buckets_through_training(tmp_path):
     script = tmp_path / "ddp_grads.py"
     script.write_text(SCRIPT)
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    run = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", str(script)]
+    result = subprocess.run(run, capture_output=True, text=True, env=env, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "rank 0 ok" in result.stdout and "rank 1 ok" in result.stdout
+
+
+CACHE_SCRIPT = textwrap.dedent(
+    """
+    import os
+
+    import torch
+
+    from llama_scratch import Llama, LlamaClassifier, LlamaConfig, distributed
+    from llama_scratch.distributed import Dist
+    from llama_scratch.prefix_cache import compute_frozen_states
+
+    env, device = distributed.setup("cpu")
+    torch.manual_seed(0)
+    clf = LlamaClassifier(Llama(LlamaConfig.from_name("tiny")), num_classes=2, train_last=1)
+    texts = [[1 + (i * 7 + j) % 100 for j in range(3 + i % 5)] for i in range(11)]
+    shared = compute_frozen_states(clf, texts, 0, batch_size=2, show=False, env=env)
+    alone = compute_frozen_states(clf, texts, 0, batch_size=2, show=False, env=Dist())
+    assert [s.shape for s in shared] == [s.shape for s in alone] == [(len(t), 64) for t in texts]
+    assert max((a - b).abs().max().item() for a, b in zip(shared, alone, strict=True)) < 1e-5
+    # One text for two processes: the second computes nothing and still receives it.
+    one = compute_frozen_states(clf, texts[:1], 0, batch_size=2, show=False, env=env)
+    assert len(one) == 1 and torch.allclose(one[0], alone[0], atol=1e-5)
+    os.write(1, f"rank {env.rank} ok\\n".encode())  # one write: the two ranks share the pipe
+    distributed.teardown()
+    """
+)
+
+
+def test_frozen_prefix_cache_is_computed_in_shares_and_exchanged(tmp_path):
+    script = tmp_path / "ddp_cache.py"
+    script.write_text(CACHE_SCRIPT)
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     run = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", str(script)]
     result = subprocess.run(run, capture_output=True, text=True, env=env, timeout=300)
