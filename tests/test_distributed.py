@@ -5,7 +5,18 @@ import subprocess
 import sys
 import textwrap
 
-SCRIPT = textwrap.dedent(
+
+def run_on_two_processes(script: str, path) -> None:
+    """Run `script` under torchrun with two CPU processes; each prints 'rank N ok' when its checks pass."""
+    path.write_text(script)
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    run = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", str(path)]
+    result = subprocess.run(run, capture_output=True, text=True, env=env, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "rank 0 ok" in result.stdout and "rank 1 ok" in result.stdout
+
+
+GRADIENTS_SCRIPT = textwrap.dedent(
     """
     import os
     import tempfile
@@ -38,13 +49,7 @@ SCRIPT = textwrap.dedent(
 
 
 def test_gradients_are_views_of_ddp_buckets_through_training(tmp_path):
-    script = tmp_path / "ddp_grads.py"
-    script.write_text(SCRIPT)
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    run = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", str(script)]
-    result = subprocess.run(run, capture_output=True, text=True, env=env, timeout=300)
-    assert result.returncode == 0, result.stderr[-3000:]
-    assert "rank 0 ok" in result.stdout and "rank 1 ok" in result.stdout
+    run_on_two_processes(GRADIENTS_SCRIPT, tmp_path / "ddp_grads.py")
 
 
 CACHE_SCRIPT = textwrap.dedent(
@@ -75,10 +80,4 @@ CACHE_SCRIPT = textwrap.dedent(
 
 
 def test_frozen_prefix_cache_is_computed_in_shares_and_exchanged(tmp_path):
-    script = tmp_path / "ddp_cache.py"
-    script.write_text(CACHE_SCRIPT)
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    run = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", str(script)]
-    result = subprocess.run(run, capture_output=True, text=True, env=env, timeout=300)
-    assert result.returncode == 0, result.stderr[-3000:]
-    assert "rank 0 ok" in result.stdout and "rank 1 ok" in result.stdout
+    run_on_two_processes(CACHE_SCRIPT, tmp_path / "ddp_cache.py")
