@@ -211,6 +211,24 @@ def test_resume_refuses_another_world_size_or_model(tmp_path):
     assert load_resume_point(path, clf, opt, sched, s, {"world_size": 4, "model": "a"}).step == 0
 
 
+def test_a_resume_point_from_before_epoch_sums_still_loads(tmp_path):
+    """Resume points written before TrainState.epoch_sums existed lack that key; they resume with the sums at zero."""
+    from llama_scratch import Llama, LlamaClassifier, LlamaConfig
+    from llama_scratch.train import TrainSettings, TrainState, load_resume_point, make_optimizer, save_resume_point
+
+    clf = LlamaClassifier(Llama(LlamaConfig.from_name("tiny")), train_last=1)
+    s = TrainSettings()
+    opt = make_optimizer(clf, s)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda step: 1.0)
+    path = tmp_path / "checkpoint.pt"
+    save_resume_point(path, clf, opt, sched, TrainState(step=7, batches_done=3), s, {"model": "a"})
+    saved = torch.load(path, weights_only=False)
+    del saved["state"]["epoch_sums"]
+    torch.save(saved, path)
+    state = load_resume_point(path, clf, opt, sched, s, {"model": "a"})
+    assert (state.step, state.batches_done, state.epoch_sums) == (7, 3, [0.0, 0.0, 0.0])
+
+
 def test_a_repo_id_is_told_apart_from_presets_and_paths(tmp_path):
     assert finetune_classifier.is_repo_id("HuggingFaceTB/SmolLM2-360M")
     assert not finetune_classifier.is_repo_id("tiny")
