@@ -6,7 +6,7 @@ Run: python benchmarks/train_speed.py [--preset small|tiny|PRESET] [--batch-size
 Both models are read from one checkpoint written with `save_checkpoint` (ours through `load_weights`, theirs through
 `from_pretrained` with `attn_implementation="sdpa"` and `use_cache=False`, its fastest training setup), and our
 freshly initialised head is copied into their `score`. Both train on the same batches of real SMS texts (tokenized
-with `Tokenizer.default()`, BOS added, right-padded by `data.collate`), in float32 on the CPU, with the same step as
+with `Tokenizer.default()`, BOS added, right-padded by `batching.collate`), in float32 on the CPU, with the same step as
 `train.py`: cross-entropy, backward, gradient clipping at 1.0, AdamW from `train.make_optimizer` over the same
 trainable set. The first step must give the same loss and gradients on both
 sides (asserted), so the timing compares the same work. After warm-up, each round times `--steps` steps of ours
@@ -96,7 +96,7 @@ def renumber(batches: list[list[list[int]]], pad_id: int, vocab_size: int) -> tu
 
 
 def to_tensors(rows: list[list[int]], pad_id: int, pad_to: int | None) -> dict[str, torch.Tensor]:
-    """Right-padded batch from `data.collate`; `pad_to` pads further to a fixed length (pad-to-global-maximum)."""
+    """Right-padded batch from `batching.collate`; `pad_to` pads further to a fixed length (pad-to-global-maximum)."""
     batch = collate([(row, i % 2) for i, row in enumerate(rows)], pad_id, "right")  # labels alternate 0/1
     if pad_to is not None and batch["input_ids"].shape[1] < pad_to:
         extra = pad_to - batch["input_ids"].shape[1]

@@ -83,8 +83,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("texts", nargs="*", help="texts to classify")
     p.add_argument("--file", help="a file with one text per line ('-': standard input)")
     p.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N")
-    p.add_argument("--dtype", default="auto", help="auto (the training dtype on a GPU, float32 on CPU) | bfloat16 | "
-                   "float32")  # fmt: skip
+    p.add_argument(
+        "--dtype",
+        default="auto",
+        help="auto (the training dtype on a GPU with bfloat16, else float32) | bfloat16 | float32",
+    )
     p.add_argument("--batch-size", type=int, default=16)
     args = p.parse_args(argv)
     texts = list(args.texts)

@@ -96,6 +96,16 @@ def all_sum(values: torch.Tensor) -> torch.Tensor:
     return values
 
 
+def smallest(value: int) -> int:
+    """The smallest of every process's `value`, on every process: for a decision all must take alike (say, whether
+    there is memory to spare), since a process that decides otherwise would wait in a collective the others skip."""
+    if not dist.is_initialized():
+        return value
+    everyone: list = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, value)
+    return min(everyone)
+
+
 def barrier() -> None:
     if dist.is_initialized():
         dist.barrier()
@@ -107,7 +117,8 @@ def all_gather_rows(
     """Every process's `rows` ([length, width] tensors, lengths free) by their `indices`, on every process.
 
     One collective moves them all: each process packs its rows end to end, pads the pack to the longest
-    process's, and all-gathers the packs; the rows come back as views into the gathered packs.
+    process's, and all-gathers the packs; the rows come back as views into the gathered packs. While it runs,
+    a process holds its own rows and pack besides everyone's packs: about (1 + 2 / processes) x the result.
     """
     lengths = [r.shape[0] for r in rows]
     everyone: list = [None] * dist.get_world_size()

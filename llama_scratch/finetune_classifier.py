@@ -24,6 +24,7 @@ from .batching import default_max_length, encode_texts
 from .classifier import LlamaClassifier
 from .config import PRESETS, LlamaConfig, parse_dtype
 from .data import DataError, DataWarning, load_dataset
+from .distributed import Dist
 from .download import DownloadError, default_dir, fetch, fetch_smollm2
 from .plan import count_parameters
 from .plan_report import plan_command
@@ -164,19 +165,27 @@ def resolve_tokenizer(model_ref: str, cfg: LlamaConfig, log) -> tuple[Tokenizer,
     return Tokenizer.default(), "llama3"
 
 
-def use_cache(choice: str, clf: LlamaClassifier, ids: dict[str, list[list[int]]], device: torch.device, log) -> bool:
-    """Whether to cache the frozen layers' output: there must be frozen blocks, and (auto) room to keep it."""
+def use_cache(
+    choice: str, clf: LlamaClassifier, ids: dict[str, list[list[int]]], device: torch.device, env: Dist, log
+) -> bool:
+    """Whether to cache the frozen layers' output: there must be frozen blocks, and (auto) room to keep it.
+
+    Under DDP every process must decide alike (computing the cache is collective), so the tightest one decides.
+    Processes on a CPU share the host's memory and each keeps a whole copy."""
     frozen = frozen_blocks(clf)
     if choice == "off" or frozen == 0:
         return False
     size = sum(cache_bytes(rows, clf) for rows in ids.values())
-    room = min(memory_budget(device), free_memory(device) // 2)  # the rest is for training itself
-    if choice == "auto" and size > room:
-        log(
-            f"not caching the frozen layers: {size / 2**30:.1f} GiB exceeds a quarter of the device's memory or "
-            "half of what is free (--cache-frozen on to insist)"
-        )
-        return False
+    if choice == "auto":
+        room = min(memory_budget(device), free_memory(device) // 2)  # the rest is for training itself
+        if device.type == "cpu":
+            room //= env.world_size
+        if size > distributed.smallest(room):
+            log(
+                f"not caching the frozen layers: {size / 2**30:.1f} GiB exceeds a quarter of the device's memory "
+                "or half of what is free (--cache-frozen on to insist)"
+            )
+            return False
     log(f"caching the output of the {frozen} frozen blocks for every text ({size / 2**20:,.0f} MiB)")
     return True
 
@@ -277,7 +286,7 @@ def run(args: argparse.Namespace) -> dict:
     clf = LlamaClassifier(backbone, num_classes=data.num_classes, train_last=train_last)
     n_train = sum(p.numel() for p in clf.trainable_parameters().values())
     log(f"training {n_train:,} of {sum(p.numel() for p in clf.parameters()):,} parameters on {device} in {dtype}")
-    if use_cache(args.cache_frozen, clf, ids, device, log):
+    if use_cache(args.cache_frozen, clf, ids, device, env, log):
         splits = {
             k: Split(v.ids, v.labels, compute_frozen_states(clf, v.ids, tokenizer.pad_id, settings.eval_rows, env=env))
             for k, v in splits.items()

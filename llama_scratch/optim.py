@@ -15,8 +15,9 @@ from torch import nn
 class MasterWeightAdamW(torch.optim.AdamW):
     """AdamW whose own parameters are float32 copies ("masters") of the model's trained parameters.
 
-    `step` converts the model's gradients to float32 (freeing each low-precision gradient as its copy appears),
-    steps the masters and copies them back into the model. `zero_grad` clears the model's gradients too.
+    `step` converts the model's gradients to float32 (freeing each low-precision gradient as its copy appears,
+    unless it is a view into DDP's all-reduce bucket, whose memory stays anyway), steps the masters and copies them
+    back into the model. `zero_grad` clears the model's gradients too, as told: freed, or zeroed in place.
     `state_dict` carries the masters, so a resumed run continues from the exact float32 values.
     """
 
@@ -30,7 +31,8 @@ class MasterWeightAdamW(torch.optim.AdamW):
     def step(self, closure=None):
         for p, m in zip(self.model_params, self.masters, strict=True):
             m.grad = None if p.grad is None else p.grad.float()
-            p.grad = None
+            if p.grad is not None and not p.grad._is_view():
+                p.grad = None
         loss = super().step(closure)
         for p, m in zip(self.model_params, self.masters, strict=True):
             p.copy_(m)
@@ -40,7 +42,10 @@ class MasterWeightAdamW(torch.optim.AdamW):
     def zero_grad(self, set_to_none: bool = True) -> None:
         super().zero_grad(set_to_none)
         for p in self.model_params:
-            p.grad = None
+            if set_to_none or p.grad is None:
+                p.grad = None
+            else:
+                p.grad.zero_()
 
     def state_dict(self) -> dict:
         return {**super().state_dict(), "master_weights": [m.detach() for m in self.masters]}

@@ -49,7 +49,11 @@ def free_memory(device: torch.device) -> int:
         meminfo = Path("/proc/meminfo").read_text()
         return int(re.search(r"MemAvailable:\s+(\d+) kB", meminfo).group(1)) * 1024
     except (OSError, AttributeError):
+        pass
+    try:
         return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
+    except (ValueError, OSError):  # macOS has no such count: all of memory, so the budget alone decides
+        return memory_budget(device, fraction=1.0)
 
 
 @torch.no_grad()

@@ -333,7 +333,7 @@ def train(
             )
             started = time.perf_counter()
             for k in range(state.batches_done, len(batches), s.grad_accum):
-                loss = 0.0
+                loss, tokens = 0.0, 0
                 sums = torch.zeros(3, dtype=torch.float64, device=device)  # loss x rows, correct, rows: this step
                 for j, rows in enumerate(batches[k : k + s.grad_accum]):
                     batch = to_batch(splits["train"], rows, pad_id, s.padding_side, device)
@@ -352,7 +352,7 @@ def train(
                             torch.tensor(len(rows), device=device),
                         ]
                     ).to(sums)
-                    state.train_tokens += int(batch["attention_mask"].sum()) * env.world_size
+                    tokens += int(batch["attention_mask"].sum()) * env.world_size
                 params = [p for p in model.parameters() if p.requires_grad]
                 norm = nn.utils.clip_grad_norm_(params, s.clip_grad if s.clip_grad > 0 else float("inf"))
                 if not (math.isfinite(loss) and torch.isfinite(norm)):
@@ -370,6 +370,10 @@ def train(
                     state.step += 1
                     state.batches_done = k + s.grad_accum
                     state.epoch_sums = [a + b for a, b in zip(state.epoch_sums, sums, strict=True)]
+                    # Counted with the step, so that a resumed run's tokens/s covers each step once.
+                    state.train_tokens += tokens
+                    now = time.perf_counter()
+                    state.train_seconds, started = state.train_seconds + now - started, now
                 bar.update(1)
                 bar.set_postfix(loss=f"{loss:.4f}", lr=f"{scheduler.get_last_lr()[0]:.2e}")
                 if state.step % s.save_every == 0:
@@ -377,7 +381,6 @@ def train(
                 if state.step >= total:
                     break
             bar.close()
-            state.train_seconds += time.perf_counter() - started
             finished_epoch = state.batches_done >= len(batches)
             # Train figures are running ones, from the batches as they were trained (a full pass costs as much as
             # the epoch); validation is a full evaluation.

@@ -1,4 +1,5 @@
-"""Under DDP: gradients kept once (as views of the all-reduce buckets), and the frozen-prefix cache shared out."""
+"""Under DDP: gradients kept once (as views of the all-reduce buckets), and the frozen-prefix cache shared out
+and decided on alike by all processes."""
 
 import os
 import subprocess
@@ -28,20 +29,22 @@ GRADIENTS_SCRIPT = textwrap.dedent(
     from llama_scratch.train import Split, TrainSettings, train
 
     env, device = distributed.setup("cpu")
-    torch.manual_seed(0)
-    clf = LlamaClassifier(Llama(LlamaConfig.from_name("tiny")), num_classes=2, train_last=2)
-    model = distributed.wrap(clf, env, device)
     ids = [[1 + (i * 7 + j) % 100 for j in range(5 + i % 4)] for i in range(32)]
     split = Split(ids, [i % 2 for i in range(32)])
-    settings = TrainSettings(epochs=1, batch_size=4, grad_accum=2, save_every=1000)
-    with tempfile.TemporaryDirectory() as out:
-        train(model, {"train": split, "val": split}, 2, 0, settings, env, device, Path(out), log=lambda *a: None)
-    trained = [p for p in clf.parameters() if p.requires_grad]
-    # After the last step the gradients are still there (zeroed, not freed), each a view of DDP's bucket storage.
-    assert all(p.grad is not None and p.grad._base is not None for p in trained)
-    assert all(p.grad.count_nonzero() == 0 for p in trained)
-    buckets = {p.grad._base.untyped_storage().data_ptr() for p in trained}
-    assert len(buckets) <= len(trained) // 2, buckets  # a few flat buckets, not one tensor per parameter
+    # torch's AdamW on float32 weights; ours (float32 master weights) on bfloat16 ones
+    for state, dtype in (("param", torch.float32), ("float32", torch.bfloat16)):
+        torch.manual_seed(0)
+        clf = LlamaClassifier(Llama(LlamaConfig.from_name("tiny", dtype=dtype)), num_classes=2, train_last=2)
+        model = distributed.wrap(clf, env, device)
+        settings = TrainSettings(epochs=1, batch_size=4, grad_accum=2, save_every=1000, optimizer_state=state)
+        with tempfile.TemporaryDirectory() as out:
+            train(model, {"train": split, "val": split}, 2, 0, settings, env, device, Path(out), log=lambda *a: None)
+        trained = [p for p in clf.parameters() if p.requires_grad]
+        # After the last step the gradients are still there (zeroed, not freed), each a view of DDP's buckets.
+        assert all(p.grad is not None and p.grad._base is not None for p in trained), state
+        assert all(p.grad.count_nonzero() == 0 for p in trained), state
+        buckets = {p.grad._base.untyped_storage().data_ptr() for p in trained}
+        assert len(buckets) <= len(trained) // 2, buckets  # a few flat buckets, not one tensor per parameter
     os.write(1, f"rank {env.rank} ok\\n".encode())  # one write: the two ranks share the pipe
     distributed.teardown()
     """
@@ -58,7 +61,7 @@ CACHE_SCRIPT = textwrap.dedent(
 
     import torch
 
-    from llama_scratch import Llama, LlamaClassifier, LlamaConfig, distributed
+    from llama_scratch import Llama, LlamaClassifier, LlamaConfig, distributed, finetune_classifier
     from llama_scratch.distributed import Dist
     from llama_scratch.prefix_cache import compute_frozen_states
 
@@ -66,13 +69,24 @@ CACHE_SCRIPT = textwrap.dedent(
     torch.manual_seed(0)
     clf = LlamaClassifier(Llama(LlamaConfig.from_name("tiny")), num_classes=2, train_last=1)
     texts = [[1 + (i * 7 + j) % 100 for j in range(3 + i % 5)] for i in range(11)]
+    rows_run = []  # texts this process runs through the frozen blocks
+    run_blocks = clf.backbone.run_blocks
+    clf.backbone.run_blocks = lambda x, *a, **k: rows_run.append(x.shape[0]) or run_blocks(x, *a, **k)
     shared = compute_frozen_states(clf, texts, 0, batch_size=2, show=False, env=env)
+    del clf.backbone.run_blocks
+    assert 0 < sum(rows_run) < len(texts) and distributed.all_sum(torch.tensor(sum(rows_run))) == len(texts)
     alone = compute_frozen_states(clf, texts, 0, batch_size=2, show=False, env=Dist())
     assert [s.shape for s in shared] == [s.shape for s in alone] == [(len(t), 64) for t in texts]
     assert max((a - b).abs().max().item() for a, b in zip(shared, alone, strict=True)) < 1e-5
     # One text for two processes: the second computes nothing and still receives it.
     one = compute_frozen_states(clf, texts[:1], 0, batch_size=2, show=False, env=env)
     assert len(one) == 1 and torch.allclose(one[0], alone[0], atol=1e-5)
+    # Whether to cache is one decision for all: with room on rank 0 only, neither caches (else a deadlock).
+    quiet = lambda *a: None  # noqa: E731
+    finetune_classifier.free_memory = lambda device: 2**40 if env.rank == 0 else 0
+    assert finetune_classifier.use_cache("auto", clf, {"train": texts}, device, env, quiet) is False
+    finetune_classifier.free_memory = lambda device: 2**40
+    assert finetune_classifier.use_cache("auto", clf, {"train": texts}, device, env, quiet) is True
     os.write(1, f"rank {env.rank} ok\\n".encode())  # one write: the two ranks share the pipe
     distributed.teardown()
     """

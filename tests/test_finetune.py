@@ -233,3 +233,25 @@ def test_a_repo_id_is_told_apart_from_presets_and_paths(tmp_path):
     assert finetune_classifier.is_repo_id("HuggingFaceTB/SmolLM2-360M")
     assert not finetune_classifier.is_repo_id("tiny")
     assert not finetune_classifier.is_repo_id(str(tmp_path))
+
+
+def test_free_memory_without_proc_meminfo_falls_back(monkeypatch):
+    """macOS has neither /proc/meminfo nor SC_AVPHYS_PAGES: the cache's room is then the budget alone."""
+    import os
+
+    from llama_scratch import prefix_cache
+
+    def no_file(self, *a, **k):
+        raise FileNotFoundError(self)
+
+    real_sysconf = os.sysconf
+
+    def sysconf(name):
+        if name == "SC_AVPHYS_PAGES":
+            raise ValueError("unrecognized configuration name")
+        return real_sysconf(name)
+
+    monkeypatch.setattr(prefix_cache.Path, "read_text", no_file)
+    monkeypatch.setattr(prefix_cache.os, "sysconf", sysconf)
+    cpu = torch.device("cpu")
+    assert prefix_cache.free_memory(cpu) == prefix_cache.memory_budget(cpu, fraction=1.0) > 0
