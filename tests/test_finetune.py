@@ -194,14 +194,21 @@ def test_bad_train_last_is_a_clear_error(small_csv, tmp_path):
     assert finetune_classifier.main(argv) == 2
 
 
-def test_resume_refuses_another_world_size_or_model(tmp_path):
+def resume_parts():
+    """A tiny classifier with the optimizer, schedule and settings that a resume point saves."""
     from llama_scratch import Llama, LlamaClassifier, LlamaConfig
-    from llama_scratch.train import TrainSettings, TrainState, load_resume_point, make_optimizer, save_resume_point
+    from llama_scratch.train import TrainSettings, make_optimizer
 
     clf = LlamaClassifier(Llama(LlamaConfig.from_name("tiny")), train_last=1)
     s = TrainSettings()
     opt = make_optimizer(clf, s)
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda step: 1.0)
+    return clf, opt, torch.optim.lr_scheduler.LambdaLR(opt, lambda step: 1.0), s
+
+
+def test_resume_refuses_another_world_size_or_model(tmp_path):
+    from llama_scratch.train import TrainState, load_resume_point, save_resume_point
+
+    clf, opt, sched, s = resume_parts()
     path = tmp_path / "checkpoint.pt"
     save_resume_point(path, clf, opt, sched, TrainState(), s, {"world_size": 4, "model": "a"})
     with pytest.raises(ValueError, match="world_size: saved 4, now 2"):
@@ -213,13 +220,9 @@ def test_resume_refuses_another_world_size_or_model(tmp_path):
 
 def test_a_resume_point_from_before_epoch_sums_still_loads(tmp_path):
     """Resume points written before TrainState.epoch_sums existed lack that key; they resume with the sums at zero."""
-    from llama_scratch import Llama, LlamaClassifier, LlamaConfig
-    from llama_scratch.train import TrainSettings, TrainState, load_resume_point, make_optimizer, save_resume_point
+    from llama_scratch.train import TrainState, load_resume_point, save_resume_point
 
-    clf = LlamaClassifier(Llama(LlamaConfig.from_name("tiny")), train_last=1)
-    s = TrainSettings()
-    opt = make_optimizer(clf, s)
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda step: 1.0)
+    clf, opt, sched, s = resume_parts()
     path = tmp_path / "checkpoint.pt"
     save_resume_point(path, clf, opt, sched, TrainState(step=7, batches_done=3), s, {"model": "a"})
     saved = torch.load(path, weights_only=False)
