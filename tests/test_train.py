@@ -37,3 +37,38 @@ def test_learning_rate_warms_up_then_decays_to_a_tenth():
     assert factors[0] == 0.1 and factors[9] == 1.0  # 10 warm-up steps: 1/10 ... 10/10
     assert all(a >= b for a, b in zip(factors[9:], factors[10:], strict=False))
     assert math.isclose(lr_factor(100, 100, s), 0.1)
+
+
+def test_an_interrupt_mid_step_then_resume_equals_one_run(tmp_path, monkeypatch):
+    """Ctrl-C in the middle of an epoch (here, inside a step's gradient accumulation) and --resume give the same
+    weights, history and token count as a run never interrupted: the half step is dropped and done again."""
+    from llama_scratch import Llama, LlamaClassifier, LlamaConfig, train
+
+    ids = [[1 + (i * 7 + j) % 100 for j in range(4 + i % 5)] for i in range(24)]
+    splits = {"train": train.Split(ids, [i % 2 for i in range(24)]), "val": train.Split(ids[:8], [0, 1] * 4)}
+    settings = train.TrainSettings(epochs=2, batch_size=2, grad_accum=2, save_every=100, lr=1e-3)
+
+    def run(out, resume=False):
+        out.mkdir(exist_ok=True)
+        torch.manual_seed(0)
+        clf = LlamaClassifier(Llama(LlamaConfig.from_name("tiny")), num_classes=2, train_last=1)
+        state = train.train(clf, splits, 2, 0, settings, Dist(), torch.device("cpu"), out, resume, log=lambda *a: None)
+        return state, {k: v.clone() for k, v in train.trainable_state(clf).items()}
+
+    whole, whole_weights = run(tmp_path / "whole")
+    real_to_batch, calls = train.to_batch, []
+
+    def interrupting_to_batch(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 10:  # the second micro-batch of step 5 of 6 in the first epoch
+            raise KeyboardInterrupt
+        return real_to_batch(*args, **kwargs)
+
+    monkeypatch.setattr(train, "to_batch", interrupting_to_batch)
+    with pytest.raises(KeyboardInterrupt):
+        run(tmp_path / "cut")
+    monkeypatch.setattr(train, "to_batch", real_to_batch)
+    resumed, resumed_weights = run(tmp_path / "cut", resume=True)
+    assert all(torch.equal(whole_weights[k], resumed_weights[k]) for k in whole_weights)
+    assert resumed.history == whole.history
+    assert (resumed.step, resumed.train_tokens) == (whole.step, whole.train_tokens)
