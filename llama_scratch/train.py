@@ -263,10 +263,8 @@ def save_resume_point(
 
 def load_resume_point(path: Path, model, optimizer, scheduler, settings: TrainSettings, identity: dict) -> TrainState:
     saved = torch.load(path, map_location="cpu", weights_only=False)
-    # getattr with a default: a setting this version no longer has is reported as changed, not an AttributeError.
-    changed = {
-        k: (v, getattr(settings, k, None)) for k, v in saved["settings"].items() if getattr(settings, k, None) != v
-    }
+    now = asdict(settings)  # a setting this version no longer has reads as None: reported as changed
+    changed = {k: (v, now.get(k)) for k, v in saved["settings"].items() if now.get(k) != v}
     changed.pop("save_every", None)
     was = saved.get("identity", {})
     changed |= {k: (was.get(k), v) for k, v in identity.items() if was.get(k) != v}
