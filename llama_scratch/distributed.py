@@ -96,14 +96,19 @@ def all_sum(values: torch.Tensor) -> torch.Tensor:
     return values
 
 
+def gather_objects(value) -> list:
+    """Every process's `value` (any picklable object), in rank order, on every process."""
+    if not dist.is_initialized():
+        return [value]
+    everyone: list = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, value)
+    return everyone
+
+
 def smallest(value: int) -> int:
     """The smallest of every process's `value`, on every process: for a decision all must take alike (say, whether
     there is memory to spare), since a process that decides otherwise would wait in a collective the others skip."""
-    if not dist.is_initialized():
-        return value
-    everyone: list = [None] * dist.get_world_size()
-    dist.all_gather_object(everyone, value)
-    return min(everyone)
+    return min(gather_objects(value))
 
 
 def barrier() -> None:
@@ -121,8 +126,7 @@ def all_gather_rows(
     a process holds its own rows and pack besides everyone's packs: about (1 + 2 / processes) x the result.
     """
     lengths = [r.shape[0] for r in rows]
-    everyone: list = [None] * dist.get_world_size()
-    dist.all_gather_object(everyone, (indices, lengths))
+    everyone = gather_objects((indices, lengths))
     pack = torch.zeros(max(sum(n) for _, n in everyone), width, dtype=dtype, device=device)
     if rows:
         pack[: sum(lengths)] = torch.cat(rows)
