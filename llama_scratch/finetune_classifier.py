@@ -20,6 +20,7 @@ from pathlib import Path
 import torch
 
 from . import distributed
+from .atomic import write_text_atomic
 from .batching import default_max_length, encode_texts
 from .classifier import LlamaClassifier
 from .config import PRESETS, LlamaConfig, parse_dtype
@@ -32,7 +33,7 @@ from .prefix_cache import cache_bytes, compute_frozen_states, free_memory, froze
 from .splits import default_protocol, split_dataset
 from .tokenizer import Tokenizer
 from .train import Split, TrainingDiverged, TrainSettings, evaluate, per_class, train
-from .weights import CheckpointError, load_model, save_weights, write_text_atomic
+from .weights import CheckpointError, load_model, save_weights
 
 WEIGHTS_DIR = Path("weights")
 

@@ -23,6 +23,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from .atomic import write_atomic, write_text_atomic
 from .checkpoint_files import (
     IGNORABLE,
     CheckpointError,
@@ -301,8 +302,6 @@ def save_weights(state: dict[str, torch.Tensor], path: str | Path, metadata: dic
     """
     from safetensors.torch import save_file
 
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
     tensors: dict[str, torch.Tensor] = {}
     seen = set()
     for name, t in state.items():
@@ -312,40 +311,7 @@ def save_weights(state: dict[str, torch.Tensor], path: str | Path, metadata: dic
         seen.add(key)
         tensors[name] = t.detach().contiguous()
     meta = {"format": "pt", **{k: v if isinstance(v, str) else json.dumps(v) for k, v in (metadata or {}).items()}}
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    try:
-        save_file(tensors, tmp, metadata=meta)
-        os.chmod(tmp, 0o666 & ~_umask())  # safetensors creates files owner-only; follow the umask like open()
-        _fsync(tmp)
-        os.replace(tmp, path)
-    finally:
-        tmp.unlink(missing_ok=True)
-    return path
-
-
-def _umask() -> int:
-    mask = os.umask(0)
-    os.umask(mask)
-    return mask
-
-
-def _fsync(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def write_text_atomic(path: Path, text: str) -> None:
-    """Write text under a temporary name, then rename: readers see the old file or the new one, never half."""
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    try:
-        tmp.write_text(text)
-        _fsync(tmp)
-        os.replace(tmp, path)
-    finally:
-        tmp.unlink(missing_ok=True)
+    return write_atomic(path, lambda tmp: save_file(tensors, tmp, metadata=meta))
 
 
 def save_checkpoint(
