@@ -12,7 +12,8 @@ import sys
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
+from safetensors.torch import load_file
 
 from .batching import collate, length_sorted_batches
 from .classifier import LlamaClassifier
@@ -21,7 +22,8 @@ from .download import DownloadError
 from .finetune_classifier import choose_dtype
 from .model import Llama
 from .tokenizer import Tokenizer
-from .weights import CheckpointError, load_model
+from .train import RESUME_FILE
+from .weights import CheckpointError, copy_named_tensors, load_model
 
 
 def load_classifier(
@@ -30,10 +32,12 @@ def load_classifier(
     """A fine-tuned classifier from a `finetune_classifier` output directory, its tokenizer and its settings."""
     run_dir = Path(run_dir)
     meta_path, weights_path = run_dir / "classifier.json", run_dir / "classifier.safetensors"
+    if (run_dir / RESUME_FILE).is_file() and not meta_path.is_file():
+        raise FileNotFoundError(f"{run_dir} holds an unfinished run: finish it with finetune_classifier --resume")
     for path in (meta_path, weights_path):
         if not path.is_file():
             raise FileNotFoundError(f"{path} not found: is {run_dir} the --output of a finished fine-tuning run?")
-    meta = json.loads(meta_path.read_text())
+    meta = read_run_files(meta_path, weights_path)
     device = torch.device(("cuda" if torch.cuda.is_available() else "cpu") if device == "auto" else device)
     torch_dtype = choose_dtype(dtype, device)
     if dtype == "auto" and torch_dtype != torch.float32:  # the device computes low precision well: use what
@@ -43,21 +47,40 @@ def load_classifier(
         cfg.dtype = torch_dtype
         with torch.device("meta"):
             backbone = Llama(cfg)
-        backbone.to_empty(device=device)
+        backbone.to_empty(device=device)  # every weight is then filled from the file
+        if cfg.tie_embeddings:  # to_empty gives each name its own tensor: tie them again
+            backbone.lm_head.weight = backbone.embed_tokens.weight
     else:
         backbone = load_model(meta["base_model"], device=device, dtype=torch_dtype)
     clf = LlamaClassifier(backbone, num_classes=meta["num_classes"], train_last=meta["train_last"]).eval()
-    params = dict(clf.named_parameters())
-    with safe_open(weights_path, framework="pt", device=str(device)) as f:
-        names = f.keys()  # safe_open is not iterable itself
-        unknown = [k for k in names if k not in params]
-        if unknown:
-            raise CheckpointError(f"{weights_path}: tensors that this classifier does not have: {unknown[:5]}")
-        with torch.no_grad():
-            for name in names:
-                params[name].copy_(f.get_tensor(name))
+    tensors = load_file(weights_path, device=str(device))
+    # Every parameter of a from-scratch model, else every one the run trained: none may keep a fresh initialisation.
+    needed = clf.named_parameters() if meta["weights_include_backbone"] else clf.trainable_parameters().items()
+    copy_named_tensors(clf, tensors, str(weights_path), required=[name for name, _ in needed])
     tokenizer = Tokenizer.default() if meta["tokenizer"] == "llama3" else Tokenizer.for_checkpoint(meta["tokenizer"])
     return clf, tokenizer, meta
+
+
+RUN_KEYS = ("base_model", "weights_include_backbone", "config", "num_classes", "label_names", "train_last",
+            "tokenizer", "max_length", "dtype")  # fmt: skip
+
+
+def read_run_files(meta_path: Path, weights_path: Path) -> dict:
+    """classifier.json, checked to hold what loading needs and to come from the same run as the weights file."""
+    try:
+        meta = json.loads(meta_path.read_text(encoding="utf-8"))
+        with safe_open(weights_path, framework="pt") as f:
+            weights_run = (f.metadata() or {}).get("run_id")
+    except (UnicodeDecodeError, json.JSONDecodeError, SafetensorError) as e:
+        raise CheckpointError(f"{meta_path.parent}: unreadable run files: {e}") from None
+    if not isinstance(meta, dict) or (missing := [k for k in RUN_KEYS if k not in meta]):
+        raise CheckpointError(f"{meta_path} is not a classifier description (missing {missing or 'everything'})")
+    if meta.get("run_id") != weights_run:  # runs from before run ids have neither
+        raise CheckpointError(
+            f"{meta_path.parent}: classifier.json and classifier.safetensors come from different runs (run ids "
+            f"{meta.get('run_id')} and {weights_run}); train again into a new --output"
+        )
+    return meta
 
 
 @torch.inference_mode()

@@ -7,6 +7,7 @@ What follows: `splits.split_dataset` cuts train/val/test, and `batching` turns t
 from __future__ import annotations
 
 import csv
+import hashlib
 import io
 import json
 import re
@@ -86,6 +87,13 @@ class LabelledTexts:
         """One line for logs, e.g. `sms_spam: 5,574 rows; ham 4,827, spam 747; 0 bad rows skipped`."""
         classes = ", ".join(f"{name} {n:,}" for name, n in self.class_counts().items())
         return f"{self.source}: {len(self):,} rows; {classes}; {len(self.skipped):,} bad rows skipped"
+
+    def fingerprint(self) -> str:
+        """A digest of the texts, labels and label names: an edited data file, or other columns, changes it."""
+        digest = hashlib.sha256(json.dumps([self.label_names, self.labels]).encode())
+        for text in self.texts:
+            digest.update(text.encode("utf-8", "surrogatepass") + b"\0")
+        return digest.hexdigest()
 
     def skipped_report(self, first: int = 5) -> str:
         """The first few skipped rows with their line numbers, for a warning or an error message."""

@@ -10,7 +10,6 @@ import csv
 import dataclasses
 import io
 import json
-import re
 import signal
 import sys
 import time
@@ -18,22 +17,24 @@ import warnings
 from pathlib import Path
 
 import torch
+from safetensors.torch import load_file
 
 from . import distributed
-from .atomic import write_text_atomic
+from .atomic import write_atomic, write_text_atomic
 from .batching import default_max_length, encode_texts
 from .classifier import LlamaClassifier
 from .config import PRESETS, LlamaConfig, parse_dtype
-from .data import DataError, DataWarning, load_dataset
+from .data import DataWarning, load_dataset
 from .distributed import Dist
 from .download import DownloadError, default_dir, fetch, fetch_smollm2
 from .plan import count_parameters
 from .plan_report import plan_command
 from .prefix_cache import cache_bytes, compute_frozen_states, free_memory, frozen_blocks, memory_budget
+from .run_dir import BEST_FILE, WORK_FILES, check_output, clear_run, new_run_id
 from .splits import default_protocol, split_dataset
 from .tokenizer import Tokenizer
 from .train import Split, TrainingDiverged, TrainSettings, evaluate, per_class, train
-from .weights import CheckpointError, load_model, save_weights
+from .weights import copy_named_tensors, is_repo_id, load_model, save_weights
 
 WEIGHTS_DIR = Path("weights")
 
@@ -148,11 +149,6 @@ def chosen_train_last(arg: str | None, from_scratch: bool) -> int | None:
     return None if value == "all" else int(value)
 
 
-def is_repo_id(ref: str) -> bool:
-    """'owner/name' that is neither a preset nor an existing path: a Hugging Face repository to fetch."""
-    return ref not in PRESETS and not Path(ref).exists() and re.fullmatch(r"[\w.-]+/[\w.-]+", ref) is not None
-
-
 def resolve_tokenizer(model_ref: str, cfg: LlamaConfig, log) -> tuple[Tokenizer, str]:
     """The checkpoint's own tokenizer, or the Llama-3 one shipped with llama-models for presets and bare checkpoints."""
     path = Path(model_ref)
@@ -218,7 +214,7 @@ def plot_history(rows: list[dict], path: Path) -> bool:
     ax2.set(xlabel="epoch", ylabel="accuracy", title="accuracy")
     ax1.legend()
     fig.tight_layout()
-    fig.savefig(path, dpi=100)
+    write_atomic(path, lambda tmp: fig.savefig(tmp, format="png", dpi=100))
     plt.close(fig)
     return True
 
@@ -249,9 +245,7 @@ def run(args: argparse.Namespace) -> dict:
     if is_repo_id(model_ref):  # fetched once, by rank 0; from then on it is a local directory like any other
         model_ref = distributed.broadcast_object(str(fetch(model_ref, default_dir(model_ref))) if env.is_main else None)
     out = args.output or Path("runs") / f"{Path(model_ref).name}-{Path(args.data).stem}"
-    unfinished = (out / "checkpoint.pt").exists()
-    if unfinished and not (args.resume or args.overwrite):
-        raise DataError(f"{out} holds an unfinished run: pass --resume to continue it or --overwrite to restart")
+    check_output(out, args.resume, args.overwrite)  # before anything is loaded or written
     backbone = load_model(model_ref, device=device, dtype=dtype, progress=env.is_main)
     backbone.gradient_checkpointing = args.gradient_checkpointing
     from_scratch = trains_from_scratch(model_ref)
@@ -298,17 +292,28 @@ def run(args: argparse.Namespace) -> dict:
     distributed.barrier()
     if env.is_main:
         if not args.resume:  # a fresh run: nothing of an earlier run in this directory may be taken for ours
-            for name in ("checkpoint.pt", "classifier.safetensors", "metrics.json"):
-                (out / name).unlink(missing_ok=True)
+            clear_run(out)
         out.mkdir(parents=True, exist_ok=True)
     distributed.barrier()
 
     # Trained parameters only, unless the backbone itself came from random weights (then nothing else holds it).
-    def save_classifier(epoch: int | None = None) -> None:
+    def save_classifier(path: Path, metadata: dict | None = None) -> None:
         state = clf.state_dict() if from_scratch else clf.trainable_parameters()
-        save_weights({k: v.detach() for k, v in state.items()}, out / "classifier.safetensors")
+        save_weights({k: v.detach() for k, v in state.items()}, path, metadata)
 
-    identity = {"model": model_ref, "data": args.data, "split": protocol, "max_length": max_length, "dtype": str(dtype)}
+    identity = {
+        "model": model_ref,
+        "data": args.data,
+        "data_digest": data.fingerprint(),
+        "text_column": args.text_column,
+        "label_column": args.label_column,
+        "label_names": data.label_names,
+        "num_classes": data.num_classes,
+        "split": protocol,
+        "max_length": max_length,
+        "dtype": str(dtype),
+        "train_last": "all" if train_last is None else train_last,
+    }
     state = train(
         model,
         splits,
@@ -319,22 +324,16 @@ def run(args: argparse.Namespace) -> dict:
         device,
         out,
         args.resume,
-        save_classifier,
+        lambda epoch: save_classifier(out / BEST_FILE),
         log,
         run_identity=identity,
     )
 
     # --- final evaluation with the best weights (by validation accuracy)
-    if env.is_main and not (out / "classifier.safetensors").exists():
-        save_classifier()
+    if env.is_main and not (out / BEST_FILE).exists():
+        save_classifier(out / BEST_FILE)
     distributed.barrier()
-    from safetensors.torch import load_file
-
-    best = load_file(out / "classifier.safetensors", device=str(device))
-    with torch.no_grad():
-        params = dict(clf.state_dict(keep_vars=True))
-        for name, value in best.items():
-            params[name].copy_(value)
+    copy_named_tensors(clf, load_file(out / BEST_FILE, device=str(device)), str(out / BEST_FILE))
     results = {
         k: evaluate(model, splits[k], data.num_classes, tokenizer.pad_id, settings, env, device, f"final {k}")
         for k in ("train", "val", "test")
@@ -361,7 +360,11 @@ def run(args: argparse.Namespace) -> dict:
         "trainable_parameters": n_train,
     }
     if env.is_main:
+        # The results appear as a set, classifier.json (what classify reads first) last; one run id ties them.
+        run_id = metrics["run_id"] = new_run_id()
+        save_classifier(out / "classifier.safetensors", {"run_id": run_id})
         meta = {
+            "run_id": run_id,
             "base_model": str(Path(model_ref).resolve()) if Path(model_ref).exists() else model_ref,
             "weights_include_backbone": from_scratch,
             "config": backbone.cfg.to_hf_dict(),
@@ -373,11 +376,12 @@ def run(args: argparse.Namespace) -> dict:
             "dtype": metrics["dtype"],
             "settings": dataclasses.asdict(settings),
         }
-        write_text_atomic(out / "classifier.json", json.dumps(meta, indent=2) + "\n")
         write_text_atomic(out / "history.csv", history_csv(state.history))
         plot_history(state.history, out / "history.png")
         write_text_atomic(out / "metrics.json", json.dumps(metrics, indent=2) + "\n")
-        (out / "checkpoint.pt").unlink(missing_ok=True)  # the run is complete; the resume point is spent
+        write_text_atomic(out / "classifier.json", json.dumps(meta, indent=2) + "\n")
+        for name in WORK_FILES:  # the run is complete; its resume point and working copy are spent
+            (out / name).unlink(missing_ok=True)
         log(
             f"test accuracy {metrics['test_accuracy']:.2%} (val {metrics['val_accuracy']:.2%}, train "
             f"{metrics['train_accuracy']:.2%}); {metrics['seconds']:.0f} s. Results in {out}/"
@@ -397,7 +401,8 @@ def main(argv: list[str] | None = None) -> int:
         run(args)
     except KeyboardInterrupt:
         return 130
-    except (DataError, CheckpointError, DownloadError, TrainingDiverged, FileNotFoundError, ValueError) as e:
+    # DataError, CheckpointError, OutputError and ResumeError are ValueErrors: bad input, told in one line.
+    except (DownloadError, TrainingDiverged, FileNotFoundError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     finally:

@@ -8,11 +8,10 @@ from __future__ import annotations
 
 import contextlib
 import math
-import os
 import signal
 import threading
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 
 import torch
@@ -21,7 +20,7 @@ from torch import nn
 from torch.utils.data import DistributedSampler
 from tqdm.auto import tqdm
 
-from . import distributed
+from . import distributed, resume
 from .batching import collate, length_sorted_batches
 from .distributed import Dist
 from .optim import MasterWeightAdamW
@@ -237,51 +236,101 @@ def trainable_state(model: nn.Module) -> dict[str, torch.Tensor]:
     return {name: p.detach() for name, p in distributed.unwrap(model).named_parameters() if p.requires_grad}
 
 
-def atomic_torch_save(obj, path: Path) -> None:
-    """Write to a temporary name, then rename: a crash mid-write leaves the previous file intact."""
-    tmp = path.with_name(path.name + ".tmp")
-    torch.save(obj, tmp)
-    os.replace(tmp, path)
-
-
 def save_resume_point(
     path: Path, model, optimizer, scheduler, state: TrainState, settings: TrainSettings, identity: dict
 ) -> None:
-    atomic_torch_save(
-        {
-            "identity": identity,
-            "trainable": {k: v.cpu() for k, v in trainable_state(model).items()},
-            "optimizer": optimizer.state_dict(),
-            "scheduler": scheduler.state_dict(),
-            "state": asdict(state),
-            "settings": asdict(settings),
-            "rng": torch.get_rng_state(),
-        },
-        path,
-    )
+    """The trained parameters, optimizer, schedule, RNG and counters, in one safetensors file (see resume.py)."""
+    plain = {"state": asdict(state), "settings": asdict(settings), "identity": identity}
+    resume.write_point(path, trainable_state(model), optimizer, scheduler, **plain)
 
 
 def load_resume_point(path: Path, model, optimizer, scheduler, settings: TrainSettings, identity: dict) -> TrainState:
-    saved = torch.load(path, map_location="cpu", weights_only=False)
-    now = asdict(settings)  # a setting this version no longer has reads as None: reported as changed
-    changed = {k: (v, now.get(k)) for k, v in saved["settings"].items() if now.get(k) != v}
-    changed.pop("save_every", None)
-    was = saved.get("identity", {})
-    changed |= {k: (was.get(k), v) for k, v in identity.items() if was.get(k) != v}
-    if changed:
-        detail = ", ".join(f"{k}: saved {a!r}, now {b!r}" for k, (a, b) in changed.items())
-        raise ValueError(f"{path} was written with other settings ({detail}); resume with the same settings")
-    params = dict(distributed.unwrap(model).named_parameters())
-    with torch.no_grad():
-        for name, value in saved["trainable"].items():
-            params[name].copy_(value)
-    optimizer.load_state_dict(saved["optimizer"])
-    scheduler.load_state_dict(saved["scheduler"])
-    torch.set_rng_state(saved["rng"])
-    return TrainState(**saved["state"])
+    """Continue from `path`, refusing (by name) any setting, data or model that differs from the saved run's."""
+    record = resume.read_point(path)
+    saved = {**record.get("settings", {}), **record.get("identity", {})}
+    now = {**asdict(settings), **identity}
+    for changeable in ("save_every",):  # how often to save may change between the two halves of a run
+        saved.pop(changeable, None), now.pop(changeable, None)
+    resume.check_same_run(path, saved, now)
+    resume.restore(record, distributed.unwrap(model), optimizer, scheduler, path)
+    known = {f.name for f in fields(TrainState)}  # a counter this version dropped is ignored; a new one starts at 0
+    return TrainState(**{k: v for k, v in record["state"].items() if k in known})
 
 
 # ---------------------------------------------------------------------------------------------- the loop
+
+
+RESUME_FILE = "resume.safetensors"
+
+
+def train_step(
+    model: nn.Module, split: Split, step_rows: list[list[int]], pad_id: int, s: TrainSettings, env: Dist, device
+) -> tuple[torch.Tensor, int]:
+    """Forward and backward over one optimizer step's micro-batches, gradients accumulating.
+
+    Returns this process's (loss x rows, correct, rows) for the step, kept on the device so that nothing waits
+    for the GPU here, and the tokens the step trained on (all processes), counted on the host from the lengths.
+    """
+    sums = torch.zeros(3, dtype=torch.float64, device=device)
+    tokens = 0
+    for j, rows in enumerate(step_rows):
+        batch = to_batch(split, rows, pad_id, s.padding_side, device)
+        # Under DDP, gradients are averaged across processes only on the last micro-batch of a step.
+        sync = contextlib.nullcontext() if j == len(step_rows) - 1 or not env.enabled else model.no_sync()
+        with sync:
+            logits = forward(model, batch)
+            micro = F.cross_entropy(logits.float(), batch["labels"]) / s.grad_accum
+            micro.backward()
+        correct = (logits.argmax(-1) == batch["labels"]).sum()
+        sums += torch.stack(
+            [micro.detach().double() * s.grad_accum * len(rows), correct.double(), sums.new_tensor(len(rows))]
+        )
+        tokens += sum(len(split.ids[i]) for i in rows) * env.world_size
+    return sums, tokens
+
+
+def check_finite(totals: list[float], state: TrainState, resume_path: Path) -> None:
+    """Stop on a non-finite loss or gradient norm. `totals` were summed over all processes, so one process's NaN
+    is every process's NaN, and all of them stop together instead of some waiting forever in a collective."""
+    loss_sum, _, rows, norm = totals
+    if not (math.isfinite(loss_sum) and math.isfinite(norm)):
+        raise TrainingDiverged(
+            f"the loss became {loss_sum / max(rows, 1)} (gradient norm {norm}) at step {state.step + 1}, epoch "
+            f"{state.epoch + 1}; try a lower --lr. The last good resume point is {resume_path}."
+        )
+
+
+def finish_epoch(state: TrainState, val: dict, complete: bool, on_best, env: Dist, log) -> None:
+    """Record the epoch in the history, keep the best weights, and move the counters on.
+
+    Called with interrupts held (see `train`): the history row, the best-epoch figures, the best weights on disk
+    and the epoch counter change together or not at all, so a Ctrl-C here never leaves a duplicated row or a
+    best epoch whose weights were not saved.
+    """
+    loss_sum, correct, rows_seen = state.epoch_sums
+    row = {
+        "epoch": state.epoch + 1,
+        "step": state.step,
+        # Running figures from the batches as they were trained (a full pass would cost as much as the epoch).
+        "train_loss": loss_sum / max(rows_seen, 1),
+        "train_accuracy": correct / max(rows_seen, 1),
+        "val_loss": val["loss"],
+        "val_accuracy": val["accuracy"],
+    }
+    state.history.append(row)
+    log(
+        f"epoch {row['epoch']}: step {row['step']}, train loss {row['train_loss']:.4f} acc "
+        f"{row['train_accuracy']:.2%}, val loss {row['val_loss']:.4f} acc {row['val_accuracy']:.2%}"
+    )
+    # Best = highest validation accuracy; on a small validation split ties are common, and then the lower
+    # validation loss (the more confident model) wins.
+    if (row["val_accuracy"], -row["val_loss"]) > (state.best_val_accuracy, -state.best_val_loss):
+        state.best_val_accuracy, state.best_val_loss = row["val_accuracy"], row["val_loss"]
+        state.best_epoch = row["epoch"]
+        if env.is_main and on_best is not None:
+            on_best(row["epoch"])
+    if complete:
+        state.epoch, state.batches_done, state.epoch_sums = state.epoch + 1, 0, [0.0, 0.0, 0.0]
 
 
 def train(
@@ -298,22 +347,22 @@ def train(
     log=print,
     run_identity: dict | None = None,
 ) -> TrainState:
-    """Train `model` (a classifier, maybe wrapped in DDP) on splits['train'], evaluating on 'train' and 'val'
-    after each epoch. `on_best(epoch)` is called on rank 0 when validation accuracy improves (save weights there).
+    """Train `model` (a classifier, maybe wrapped in DDP) on splits['train'], evaluating on 'val' after each
+    epoch. `on_best(epoch)` is called on rank 0 when validation accuracy improves (save weights there).
     `run_identity` (model, data, world size, ...) is stored with each resume point; resuming under another refuses.
     """
     steps_per_epoch = check_enough_data(len(splits["train"].ids), s, env)
     total = steps_per_epoch * s.epochs if s.max_steps is None else min(s.max_steps, steps_per_epoch * s.epochs)
     optimizer = make_optimizer(model, s)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: lr_factor(step, total, s))
-    resume_path = out_dir / "checkpoint.pt"
+    resume_path = out_dir / RESUME_FILE
     identity = {"world_size": env.world_size, **(run_identity or {})}
     state = TrainState()
     if resume and resume_path.exists():
         state = load_resume_point(resume_path, model, optimizer, scheduler, s, identity)
         log(f"resuming from {resume_path}: epoch {state.epoch + 1}, step {state.step}")
     elif resume:
-        log(f"--resume: no checkpoint at {resume_path}; starting from the beginning")
+        log(f"--resume: no resume point at {resume_path}; starting from the beginning")
 
     def save_point() -> None:
         if env.is_main:
@@ -331,34 +380,11 @@ def train(
             )
             started = time.perf_counter()
             for k in range(state.batches_done, len(batches), s.grad_accum):
-                loss, tokens = 0.0, 0
-                sums = torch.zeros(3, dtype=torch.float64, device=device)  # loss x rows, correct, rows: this step
-                for j, rows in enumerate(batches[k : k + s.grad_accum]):
-                    batch = to_batch(splits["train"], rows, pad_id, s.padding_side, device)
-                    last = j == s.grad_accum - 1
-                    # Under DDP, gradients are averaged across processes only on the last micro-batch of a step.
-                    sync = contextlib.nullcontext() if last or not env.enabled else model.no_sync()
-                    with sync:
-                        logits = forward(model, batch)
-                        micro = F.cross_entropy(logits.float(), batch["labels"]) / s.grad_accum
-                        micro.backward()
-                    loss += micro.item()
-                    sums += torch.stack(
-                        [
-                            micro.detach().double() * s.grad_accum * len(rows),
-                            (logits.argmax(-1) == batch["labels"]).sum(),
-                            torch.tensor(len(rows), device=device),
-                        ]
-                    ).to(sums)
-                    tokens += int(batch["attention_mask"].sum()) * env.world_size
+                sums, tokens = train_step(model, splits["train"], batches[k : k + s.grad_accum], pad_id, s, env, device)
                 params = [p for p in model.parameters() if p.requires_grad]
                 norm = nn.utils.clip_grad_norm_(params, s.clip_grad if s.clip_grad > 0 else float("inf"))
-                if not (math.isfinite(loss) and torch.isfinite(norm)):
-                    raise TrainingDiverged(
-                        f"the loss became {loss} (gradient norm {norm.item()}) at step {state.step + 1}, epoch "
-                        f"{state.epoch + 1}; try a lower --lr. The last good resume point is {resume_path}."
-                    )
-                sums = distributed.all_sum(sums).tolist()
+                totals = distributed.all_sum(torch.cat([sums, norm.detach().to(sums).view(1)])).tolist()  # one sync
+                check_finite(totals, state, resume_path)
                 with interrupts_deferred():  # weights, optimizer, schedule and counters move together
                     optimizer.step()
                     scheduler.step()
@@ -367,47 +393,24 @@ def train(
                     optimizer.zero_grad(set_to_none=not env.enabled)
                     state.step += 1
                     state.batches_done = k + s.grad_accum
-                    state.epoch_sums = [a + b for a, b in zip(state.epoch_sums, sums, strict=True)]
+                    state.epoch_sums = [a + b for a, b in zip(state.epoch_sums, totals[:3], strict=True)]
                     # Counted with the step, so that a resumed run's tokens/s covers each step once.
                     state.train_tokens += tokens
                     now = time.perf_counter()
                     state.train_seconds, started = state.train_seconds + now - started, now
                 bar.update(1)
-                bar.set_postfix(loss=f"{loss:.4f}", lr=f"{scheduler.get_last_lr()[0]:.2e}")
+                bar.set_postfix(loss=f"{totals[0] / max(totals[2], 1):.4f}", lr=f"{scheduler.get_last_lr()[0]:.2e}")
                 if state.step % s.save_every == 0:
                     save_point()
                 if state.step >= total:
                     break
             bar.close()
-            finished_epoch = state.batches_done >= len(batches)
-            # Train figures are running ones, from the batches as they were trained (a full pass costs as much as
-            # the epoch); validation is a full evaluation.
-            loss_sum, correct, rows_seen = state.epoch_sums
+            complete = state.batches_done >= len(batches)
             val = evaluate(model, splits["val"], num_classes, pad_id, s, env, device, "evaluating val")
-            row = {
-                "epoch": state.epoch + 1,
-                "step": state.step,
-                "train_loss": loss_sum / max(rows_seen, 1),
-                "train_accuracy": correct / max(rows_seen, 1),
-                "val_loss": val["loss"],
-                "val_accuracy": val["accuracy"],
-            }
-            state.history.append(row)
-            log(
-                f"epoch {row['epoch']}: step {row['step']}, train loss {row['train_loss']:.4f} acc "
-                f"{row['train_accuracy']:.2%}, val loss {row['val_loss']:.4f} acc {row['val_accuracy']:.2%}"
-            )
-            # Best = highest validation accuracy; on a small validation split ties are common, and then the lower
-            # validation loss (the more confident model) wins.
-            if (row["val_accuracy"], -row["val_loss"]) > (state.best_val_accuracy, -state.best_val_loss):
-                state.best_val_accuracy, state.best_val_loss = row["val_accuracy"], row["val_loss"]
-                state.best_epoch = row["epoch"]
-                if env.is_main and on_best is not None:
-                    on_best(row["epoch"])
-            if finished_epoch:
-                state.epoch, state.batches_done, state.epoch_sums = state.epoch + 1, 0, [0.0, 0.0, 0.0]
-            save_point()
-            if not finished_epoch:
+            with interrupts_deferred():  # the epoch's record, best weights and resume point: all or nothing
+                finish_epoch(state, val, complete, on_best, env, log)
+                save_point()
+            if not complete:
                 break  # max_steps reached inside the epoch
     except KeyboardInterrupt:
         # Gradients of an unfinished step are discarded: the saved point is the last whole step.

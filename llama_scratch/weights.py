@@ -17,6 +17,7 @@ import json
 import os
 import re
 import time
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -258,6 +259,23 @@ def _materialize_buffers(model: nn.Module, device: torch.device) -> None:
         raise RuntimeError(f"still on the meta device after loading: {', '.join(left)}")
 
 
+def looks_like_path(ref: str) -> bool:
+    """A reference the user meant as a local path: explicitly relative or absolute (`./x`, `../x`, `/x`, `~/x`),
+    more than one slash, a backslash, or a first component that exists here (`runs/my-model` beside `runs/`)."""
+    first = ref.split("/", 1)[0]
+    return ref.startswith((".", "/", "~")) or ref.count("/") > 1 or "\\" in ref or ("/" in ref and Path(first).exists())
+
+
+def is_repo_id(ref: str) -> bool:
+    """'owner/name' that is neither a preset nor a local path (existing or meant): a Hugging Face repository."""
+    return (
+        ref not in PRESETS
+        and not Path(ref).exists()
+        and not looks_like_path(ref)
+        and re.fullmatch(r"[\w.-]+/[\w.-]+", ref) is not None
+    )
+
+
 def load_model(
     path_or_preset: str | Path,
     device: str | torch.device | None = None,
@@ -278,9 +296,11 @@ def load_model(
         with device:
             return Llama(cfg)
     path = Path(name)
-    if not path.exists() and re.fullmatch(r"[\w.-]+/[\w.-]+", name):
+    if not path.exists() and is_repo_id(name):
         path = default_dir(name) if (default_dir(name) / "config.json").is_file() else fetch(name)
     if not path.exists():
+        if looks_like_path(name):
+            raise FileNotFoundError(f"{name}: no such file or directory")
         raise FileNotFoundError(f"{name!r} is neither a checkpoint path nor a preset ({', '.join(PRESETS)})")
     cfg = LlamaConfig.from_hf(path if path.is_dir() else path.parent)
     if dtype not in (None, "auto"):
@@ -289,6 +309,37 @@ def load_model(
         model = Llama(cfg)
     load_weights(model, path, device=device, progress=progress)
     return model
+
+
+def copy_named_tensors(
+    module: nn.Module, tensors: Mapping[str, torch.Tensor], source: str, required: Iterable[str] = ()
+) -> None:
+    """Copy saved tensors into `module`'s parameters by name, after checking every name and shape.
+
+    A bare `copy_` would broadcast a [1, dim] head into [k, dim] without a word, and a parameter the file lacks
+    would keep whatever memory it had (or its fresh initialisation). So unknown names, wrong shapes and
+    `required` parameters that the file does not hold are reported in one CheckpointError naming `source`,
+    before anything is copied.
+    """
+    params = dict(module.named_parameters(remove_duplicate=False))  # a tied weight answers to both its names
+    unknown = [n for n in tensors if n not in params]
+    wrong = [
+        f"{n} {list(t.shape)} (the model's is {list(params[n].shape)})"
+        for n, t in tensors.items()
+        if n in params and tuple(t.shape) != tuple(params[n].shape)
+    ]
+    covered = {id(params[n]) for n in tensors if n in params}
+    missing = [n for n in required if id(params[n]) not in covered]
+    problems = [
+        f"{what}: {', '.join(names[:5])}" + (f" and {len(names) - 5} more" if len(names) > 5 else "")
+        for what, names in (("unknown tensors", unknown), ("wrong shapes", wrong), ("missing", missing))
+        if names
+    ]
+    if problems:
+        raise CheckpointError(f"{source} does not fit the model: {'; '.join(problems)}")
+    with torch.no_grad():
+        for name, value in tensors.items():
+            params[name].copy_(value)
 
 
 # --- saving ----------------------------------------------------------------------------------------------------------

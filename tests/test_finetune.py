@@ -11,11 +11,13 @@ from pathlib import Path
 
 import pytest
 import torch
-from safetensors.torch import load_file
+from safetensors import safe_open
+from safetensors.torch import load_file, save_file
 
 from llama_scratch import classify, finetune_classifier
 from llama_scratch.config import parse_dtype
 from llama_scratch.data import load_sms_spam
+from llama_scratch.resume import read_point
 
 
 @pytest.fixture(scope="module")
@@ -58,7 +60,8 @@ def test_one_process_run_writes_results_and_classify_reads_them(small_csv, tmp_p
     assert set(metrics["test_per_class"]) == {"ham", "spam"}
     history = (out / "history.csv").read_text().splitlines()
     assert history[0].startswith("epoch,step,train_loss") and len(history) == 3
-    assert not (out / "checkpoint.pt").exists(), "a finished run leaves no resume point behind"
+    assert not (out / "resume.safetensors").exists(), "a finished run leaves no resume point behind"
+    assert not (out / "best.safetensors").exists()
 
     capsys.readouterr()
     assert classify.main(["--checkpoint", str(out), "WINNER! Claim your free prize now", "see you at lunch"]) == 0
@@ -117,12 +120,12 @@ def test_resume_after_kill_equals_uninterrupted_run(small_csv, tmp_path):
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     proc = subprocess.Popen([sys.executable, "-m", "llama_scratch.finetune_classifier", *argv], env=env)
     deadline = time.time() + 120
-    while not (killed / "checkpoint.pt").exists() and time.time() < deadline and proc.poll() is None:
+    while not (killed / "resume.safetensors").exists() and time.time() < deadline and proc.poll() is None:
         time.sleep(0.05)
     time.sleep(0.3)  # let it get a few steps further than the first save
     proc.kill()
     proc.wait()
-    assert (killed / "checkpoint.pt").exists(), "the run should have been killed before it finished"
+    assert (killed / "resume.safetensors").exists(), "the run should have been killed before it finished"
     assert not (killed / "metrics.json").exists()
 
     again = run_module(*argv)
@@ -152,9 +155,8 @@ def test_ctrl_c_saves_a_resume_point(small_csv, tmp_path):
     proc.send_signal(signal.SIGINT)
     _, err = proc.communicate(timeout=60)
     assert proc.returncode == 130
-    assert (out / "checkpoint.pt").exists()
-    saved = torch.load(out / "checkpoint.pt", weights_only=False)
-    assert saved["state"]["step"] >= 1
+    assert (out / "resume.safetensors").exists()
+    assert read_point(out / "resume.safetensors")["state"]["step"] >= 1
 
 
 def test_bad_data_gives_a_clear_error(tmp_path):
@@ -209,11 +211,11 @@ def test_resume_refuses_another_world_size_or_model(tmp_path):
     from llama_scratch.train import TrainState, load_resume_point, save_resume_point
 
     clf, opt, sched, s = resume_parts()
-    path = tmp_path / "checkpoint.pt"
+    path = tmp_path / "resume.safetensors"
     save_resume_point(path, clf, opt, sched, TrainState(), s, {"world_size": 4, "model": "a"})
-    with pytest.raises(ValueError, match="world_size: saved 4, now 2"):
+    with pytest.raises(ValueError, match="the number of processes was 4, now 2"):
         load_resume_point(path, clf, opt, sched, s, {"world_size": 2, "model": "a"})
-    with pytest.raises(ValueError, match="model: saved 'a', now 'b'"):
+    with pytest.raises(ValueError, match="--model was 'a', now 'b'"):
         load_resume_point(path, clf, opt, sched, s, {"world_size": 4, "model": "b"})
     assert load_resume_point(path, clf, opt, sched, s, {"world_size": 4, "model": "a"}).step == 0
 
@@ -223,11 +225,11 @@ def test_a_resume_point_from_before_epoch_sums_still_loads(tmp_path):
     from llama_scratch.train import TrainState, load_resume_point, save_resume_point
 
     clf, opt, sched, s = resume_parts()
-    path = tmp_path / "checkpoint.pt"
+    path = tmp_path / "resume.safetensors"
     save_resume_point(path, clf, opt, sched, TrainState(step=7, batches_done=3), s, {"model": "a"})
-    saved = torch.load(path, weights_only=False)
-    del saved["state"]["epoch_sums"]
-    torch.save(saved, path)
+    tensors, record = load_file(path), json.loads(safe_open(path, "pt").metadata()["llama_scratch"])
+    del record["state"]["epoch_sums"]
+    save_file(tensors, path, metadata={"llama_scratch": json.dumps(record)})
     state = load_resume_point(path, clf, opt, sched, s, {"model": "a"})
     assert (state.step, state.batches_done, state.epoch_sums) == (7, 3, [0.0, 0.0, 0.0])
 
