@@ -23,6 +23,8 @@ TEXT_NAMES = ("text", "sentence", "message", "content", "body", "review", "docum
 LABEL_NAMES = ("label", "labels", "class", "category", "target", "sentiment", "intent", "topic")
 _UNDECODABLE = re.compile("[\udc80-\udcff]")  # what errors="surrogateescape" turns non-UTF-8 bytes into
 _INTEGER = re.compile(r"[+-]?\d+")
+MAX_CLASSES = 1000  # more is a wrong label column, not a task; evaluation keeps a classes x classes confusion matrix
+FEW_CLASSES = 10  # up to this many classes a tiny file may have one row each; beyond, at least two rows per class
 
 
 class DataError(ValueError):
@@ -307,6 +309,21 @@ def _check_item(line: int, text: str, label: str, items: list, skipped: list[Bad
         items.append((line, text, label))
 
 
+def _check_class_count(names: list[str], rows: int, path: Path) -> None:
+    """Refuse about one row per class: a text or id column taken as the label, which no classifier can learn."""
+    if len(names) > MAX_CLASSES:
+        why = f"more than the {MAX_CLASSES:,} classes allowed"
+    elif len(names) > FEW_CLASSES and 2 * len(names) > rows:
+        why = "fewer than two rows per class"
+    else:
+        return
+    shown = ", ".join(repr(name[:30]) for name in names[:3])
+    raise DataError(
+        f"{path}: {len(names):,} distinct labels in {rows:,} rows ({shown}, ...), {why}; "
+        "wrong label column? (--label-column)"
+    )
+
+
 def _build(items: list[tuple[int, str, str]], skipped: list[BadRow], path: Path) -> LabelledTexts:
     """Number the classes, refuse data that cannot train a classifier, and warn about skipped rows."""
     data = LabelledTexts([], [], [], source=str(path), skipped=skipped)
@@ -318,6 +335,7 @@ def _build(items: list[tuple[int, str, str]], skipped: list[BadRow], path: Path)
     names = sorted({label for _, _, label in items}, key=int if integers else None)
     if len(names) < 2:
         raise DataError(f"{path}: only one class ({names[0]!r}) in {len(items):,} rows; a classifier needs two")
+    _check_class_count(names, len(items), path)
     index = {name: i for i, name in enumerate(names)}
     data = LabelledTexts(
         texts=[text for _, text, _ in items],

@@ -4,7 +4,7 @@ from importlib import resources
 import pytest
 import torch
 
-from llama_scratch.data import DataError, DataWarning, LabelledTexts, load_dataset, load_sms_spam
+from llama_scratch.data import MAX_CLASSES, DataError, DataWarning, LabelledTexts, load_dataset, load_sms_spam
 from llama_scratch.splits import shared_texts, split_dataset
 
 
@@ -198,3 +198,20 @@ def test_unusable_files_name_the_file(tmp_path):
         load_dataset(write(tmp_path, "one.csv", "text,label\nx,a\ny,a\n"))
     with pytest.raises(DataError, match="d.xlsx: unsupported"):
         load_dataset(write(tmp_path, "d.xlsx", "x"))
+
+
+# ---------------------------------------------------------------------------------------------- hostile files
+
+
+def test_too_many_classes_is_refused_at_load_time(tmp_path):
+    """A text-like label column (one class per row) would allocate a num_classes² confusion matrix in training."""
+    ids = write(tmp_path, "ids.csv", "text,label\n" + "".join(f"message {i},id{i}\n" for i in range(30)))
+    with pytest.raises(DataError, match=r"ids.csv: 30 distinct labels in 30 rows.*wrong label column\? \(--label"):
+        load_dataset(ids)
+    rows = "".join(f"message {i},c{i % (MAX_CLASSES + 1)}\n" for i in range(2 * (MAX_CLASSES + 1)))
+    with pytest.raises(DataError, match=f"capped.csv: {MAX_CLASSES + 1:,} distinct labels in {2 * MAX_CLASSES + 2:,}"):
+        load_dataset(write(tmp_path, "capped.csv", "text,label\n" + rows))
+    few = load_dataset(write(tmp_path, "few.csv", "text,label\n" + "".join(f"m {i},c{i}\n" for i in range(10))))
+    assert few.num_classes == 10  # a tiny file may have one row per class
+    half = load_dataset(write(tmp_path, "half.csv", "text,label\n" + "".join(f"m {i},c{i % 20}\n" for i in range(40))))
+    assert half.num_classes == 20
