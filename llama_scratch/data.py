@@ -6,6 +6,7 @@ What follows: `splits.split_dataset` cuts train/val/test, and `batching` turns t
 
 from __future__ import annotations
 
+import codecs
 import csv
 import io
 import json
@@ -24,6 +25,10 @@ LABEL_NAMES = ("label", "labels", "class", "category", "target", "sentiment", "i
 _UNDECODABLE = re.compile("[\udc80-\udcff]")  # what errors="surrogateescape" turns non-UTF-8 bytes into
 _INTEGER = re.compile(r"[+-]?\d+")
 MAX_CLASSES = 1000  # more is a wrong label column, not a task; evaluation keeps a classes x classes confusion matrix
+BYTE_ORDER_MARKS = (  # UTF-32 first: its little-endian mark starts with UTF-16's
+    ("UTF-32", (codecs.BOM_UTF32_LE, codecs.BOM_UTF32_BE)),
+    ("UTF-16", (codecs.BOM_UTF16_LE, codecs.BOM_UTF16_BE)),
+)
 FEW_CLASSES = 10  # up to this many classes a tiny file may have one row each; beyond, at least two rows per class
 
 
@@ -143,8 +148,7 @@ def load_dataset(
         what = "a directory, not a file" if path.is_dir() else "no such file"
         raise DataError(f"{path}: {what} (and not a bundled dataset: {', '.join(BUNDLED)})")
     suffix = path.suffix.lower()
-    raw = path.read_bytes().removeprefix(b"\xef\xbb\xbf")
-    text = raw.decode("utf-8", errors="surrogateescape")  # undecodable bytes become markers, reported per row
+    text = _decode(path.read_bytes(), path)
     if suffix == ".jsonl":
         items, skipped = _read_jsonl(text, path, text_column, label_column)
     elif suffix in (".csv", ".tsv"):
@@ -153,6 +157,23 @@ def load_dataset(
     else:
         raise DataError(f"{path}: unsupported file type {suffix!r}; use .csv, .tsv or .jsonl")
     return _build(items, skipped, path)
+
+
+def _decode(raw: bytes, path: Path) -> str:
+    """UTF-8 text, undecodable bytes kept as markers (reported per row); UTF-16/32 and binary files are refused.
+
+    Read as UTF-8, UTF-16 text has a NUL byte beside every ASCII character, and loads as rows labelled '\\x00a\\x00'.
+    """
+    for name, marks in BYTE_ORDER_MARKS:
+        if raw.startswith(marks):
+            raise DataError(f"{path} looks {name} encoded (byte-order mark); save it as UTF-8")
+    head = raw[:65536]
+    if head.count(0) > len(head) // 100:  # a stray NUL in a text file is kept; many mean another encoding
+        line = raw.count(b"\n", 0, raw.index(0)) + 1
+        raise DataError(
+            f"{path} contains NUL bytes (line {line:,}): is it binary, or UTF-16/32 without a byte-order mark?"
+        )
+    return raw.removeprefix(codecs.BOM_UTF8).decode("utf-8", errors="surrogateescape")
 
 
 def _csv_rows(text: str, path: Path) -> Iterator[tuple[int, list[str]]]:

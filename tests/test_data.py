@@ -215,3 +215,19 @@ def test_too_many_classes_is_refused_at_load_time(tmp_path):
     assert few.num_classes == 10  # a tiny file may have one row per class
     half = load_dataset(write(tmp_path, "half.csv", "text,label\n" + "".join(f"m {i},c{i % 20}\n" for i in range(40))))
     assert half.num_classes == 20
+
+
+def test_utf16_utf32_and_nul_bytes_are_refused(tmp_path):
+    """Decoded as UTF-8 these load as 'valid' rows with labels like '\\x00h\\x00a\\x00m'."""
+    body = "text\tlabel\nhello there\tham\nwin money\tspam\n"
+    for codec in ("utf-16-le", "utf-16-be", "utf-32-le", "utf-32-be"):  # the four byte-order marks
+        path = write(tmp_path, f"{codec}.tsv", ("\ufeff" + body).encode(codec))
+        message = f"{codec}.tsv looks {codec[:6].upper()} encoded \\(byte-order mark\\); save it as UTF-8"
+        with pytest.raises(DataError, match=message):
+            load_dataset(path)
+    no_bom = write(tmp_path, "le.csv", b"text,label\n" + "hello,ham\nwin,spam\n".encode("utf-16-le"))
+    with pytest.raises(DataError, match=r"le.csv contains NUL bytes \(line 2\): is it binary, or UTF-16/32"):
+        load_dataset(no_bom)
+    long = "".join(f"message number {i}\t{'ab'[i % 2]}\n" for i in range(200))
+    data = load_dataset(write(tmp_path, "one_nul.tsv", "text\tlabel\nnul \x00 here\ta\n" + long))
+    assert data.texts[0] == "nul \x00 here" and len(data) == 201  # a stray NUL in a text file is kept, as before
