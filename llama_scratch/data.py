@@ -29,6 +29,7 @@ BYTE_ORDER_MARKS = (  # UTF-32 first: its little-endian mark starts with UTF-16'
     ("UTF-32", (codecs.BOM_UTF32_LE, codecs.BOM_UTF32_BE)),
     ("UTF-16", (codecs.BOM_UTF16_LE, codecs.BOM_UTF16_BE)),
 )
+MAX_LABEL_DIGITS = 18  # any such integer fits in 64 bits
 FEW_CLASSES = 10  # up to this many classes a tiny file may have one row each; beyond, at least two rows per class
 
 
@@ -290,6 +291,8 @@ def _read_jsonl(
         except json.JSONDecodeError as e:
             skipped.append(BadRow(number, f"malformed JSON ({e.msg} at column {e.colno})"))
             continue
+        except ValueError:  # from int(): Python refuses to read integers this long
+            raise DataError(f"{path} line {number}: a number of more than 4,300 digits, too long to read") from None
         if not isinstance(obj, dict):
             skipped.append(BadRow(number, f"not a JSON object but {type(obj).__name__}"))
             continue
@@ -330,6 +333,17 @@ def _check_item(line: int, text: str, label: str, items: list, skipped: list[Bad
         items.append((line, text, label))
 
 
+def _check_label_digits(items: list[tuple[int, str, str]], path: Path) -> None:
+    """Refuse numeric labels longer than MAX_LABEL_DIGITS: an id column, or a broken file (int() stops at 4,300)."""
+    for line, _, label in items:
+        digits = len(label.lstrip("+-"))
+        if digits > MAX_LABEL_DIGITS and _INTEGER.fullmatch(label):
+            raise DataError(
+                f"{path} line {line}: the label is a {digits:,}-digit number (at most {MAX_LABEL_DIGITS}); "
+                "wrong label column? (--label-column)"
+            )
+
+
 def _check_class_count(names: list[str], rows: int, path: Path) -> None:
     """Refuse about one row per class: a text or id column taken as the label, which no classifier can learn."""
     if len(names) > MAX_CLASSES:
@@ -350,6 +364,7 @@ def _build(items: list[tuple[int, str, str]], skipped: list[BadRow], path: Path)
     data = LabelledTexts([], [], [], source=str(path), skipped=skipped)
     if not items:
         raise DataError(f"{path}: no usable rows" + (f"; skipped {data.skipped_report()}" if skipped else ""))
+    _check_label_digits(items, path)
     integers = all(_INTEGER.fullmatch(label) for _, _, label in items)
     if integers:  # "1", "01" and "+1" are one class; names sort numerically so 2 < 10
         items = [(line, text, str(int(label))) for line, text, label in items]

@@ -231,3 +231,22 @@ def test_utf16_utf32_and_nul_bytes_are_refused(tmp_path):
     long = "".join(f"message number {i}\t{'ab'[i % 2]}\n" for i in range(200))
     data = load_dataset(write(tmp_path, "one_nul.tsv", "text\tlabel\nnul \x00 here\ta\n" + long))
     assert data.texts[0] == "nul \x00 here" and len(data) == 201  # a stray NUL in a text file is kept, as before
+
+
+def test_integer_labels_longer_than_18_digits_are_refused(tmp_path):
+    """int() refuses over 4,300 digits with a bare ValueError; a label that long is a wrong column or a broken file."""
+    body = "text,label\na,1\nb,2\nc," + "9" * 5000 + "\nd,1\n"
+    with pytest.raises(DataError, match="long.csv line 4: the label is a 5,000-digit number.*--label-column"):
+        load_dataset(write(tmp_path, "long.csv", body))
+    with pytest.raises(DataError, match="id.csv line 2: the label is a 19-digit number"):
+        load_dataset(write(tmp_path, "id.csv", "text,label\na,-1234567890123456789\nb,2\n"))
+    assert load_dataset(write(tmp_path, "ok.csv", "text,label\na,+123456789012345678\nb,2\n")).label_names == [
+        "2",
+        "123456789012345678",
+    ]
+    lines = ['{"text": "a", "label": 1}', '{"text": "b", "label": ' + "7" * 5000 + "}"]
+    with pytest.raises(DataError, match="long.jsonl line 2: a number of more than 4,300 digits"):
+        load_dataset(write(tmp_path, "long.jsonl", "\n".join(lines)))
+    lines[1] = '{"text": "b", "label": "' + "7" * 4000 + '"}'
+    with pytest.raises(DataError, match="string.jsonl line 2: the label is a 4,000-digit number"):
+        load_dataset(write(tmp_path, "string.jsonl", "\n".join(lines)))
