@@ -1,40 +1,29 @@
 """Labelled texts for classification: the bundled SMS Spam Collection, and the user's CSV, TSV or JSONL files.
 
 `load_dataset` reads rows into `LabelledTexts`; bad rows are skipped and reported (file, line, why), never fatal.
+The file formats themselves (encoding checks, CSV/TSV/JSONL parsing) are in `data_files`.
 What follows: `splits.split_dataset` cuts train/val/test, and `batching` turns texts into padded token batches.
 """
 
 from __future__ import annotations
 
-import codecs
-import csv
-import io
-import json
 import re
-import sys
 import warnings
 from collections import Counter
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from importlib import resources
 from pathlib import Path
 
+from .data_files import UNDECODABLE, DataError, csv_rows, decode, jsonl_objects, tsv_rows
+
 BUNDLED = ("sms_spam",)
 TEXT_NAMES = ("text", "sentence", "message", "content", "body", "review", "document", "comment", "tweet", "sms")
 LABEL_NAMES = ("label", "labels", "class", "category", "target", "sentiment", "intent", "topic")
-_UNDECODABLE = re.compile("[\udc80-\udcff]")  # what errors="surrogateescape" turns non-UTF-8 bytes into
 _INTEGER = re.compile(r"[+-]?\d+")
 MAX_CLASSES = 1000  # more is a wrong label column, not a task; evaluation keeps a classes x classes confusion matrix
-BYTE_ORDER_MARKS = (  # UTF-32 first: its little-endian mark starts with UTF-16's
-    ("UTF-32", (codecs.BOM_UTF32_LE, codecs.BOM_UTF32_BE)),
-    ("UTF-16", (codecs.BOM_UTF16_LE, codecs.BOM_UTF16_BE)),
-)
 MAX_LABEL_DIGITS = 18  # any such integer fits in 64 bits
 FEW_CLASSES = 10  # up to this many classes a tiny file may have one row each; beyond, at least two rows per class
-
-
-class DataError(ValueError):
-    """A dataset that cannot be used: missing file, no usable rows, one class, columns that cannot be told apart."""
 
 
 class DataWarning(UserWarning):
@@ -149,57 +138,15 @@ def load_dataset(
         what = "a directory, not a file" if path.is_dir() else "no such file"
         raise DataError(f"{path}: {what} (and not a bundled dataset: {', '.join(BUNDLED)})")
     suffix = path.suffix.lower()
-    text = _decode(path.read_bytes(), path)
+    text = decode(path.read_bytes(), path)
     if suffix == ".jsonl":
         items, skipped = _read_jsonl(text, path, text_column, label_column)
     elif suffix in (".csv", ".tsv"):
-        table = _csv_rows(text, path) if suffix == ".csv" else _tsv_rows(text)
+        table = csv_rows(text, path) if suffix == ".csv" else tsv_rows(text)
         items, skipped = _read_table(list(table), path, text_column, label_column)
     else:
         raise DataError(f"{path}: unsupported file type {suffix!r}; use .csv, .tsv or .jsonl")
     return _build(items, skipped, path)
-
-
-def _decode(raw: bytes, path: Path) -> str:
-    """UTF-8 text, undecodable bytes kept as markers (reported per row); UTF-16/32 and binary files are refused.
-
-    Read as UTF-8, UTF-16 text has a NUL byte beside every ASCII character, and loads as rows labelled '\\x00a\\x00'.
-    """
-    for name, marks in BYTE_ORDER_MARKS:
-        if raw.startswith(marks):
-            raise DataError(f"{path} looks {name} encoded (byte-order mark); save it as UTF-8")
-    head = raw[:65536]
-    if head.count(0) > len(head) // 100:  # a stray NUL in a text file is kept; many mean another encoding
-        line = raw.count(b"\n", 0, raw.index(0)) + 1
-        raise DataError(
-            f"{path} contains NUL bytes (line {line:,}): is it binary, or UTF-16/32 without a byte-order mark?"
-        )
-    return raw.removeprefix(codecs.BOM_UTF8).decode("utf-8", errors="surrogateescape")
-
-
-def _csv_rows(text: str, path: Path) -> Iterator[tuple[int, list[str]]]:
-    """(starting line, cells) per CSV record; a quoted field may span lines. Blank lines are left out."""
-    reader = csv.reader(io.StringIO(text, newline=""))
-    limit = csv.field_size_limit()
-    csv.field_size_limit(min(sys.maxsize, 2**31 - 1))  # long documents exceed the default 128 KiB per field
-    try:
-        start = 1
-        for cells in reader:
-            if any(c.strip() for c in cells):
-                yield start, cells
-            start = reader.line_num + 1
-    except csv.Error as e:
-        raise DataError(f"{path} line {reader.line_num}: unreadable CSV ({e})") from None
-    finally:
-        csv.field_size_limit(limit)
-
-
-def _tsv_rows(text: str) -> Iterator[tuple[int, list[str]]]:
-    """(line, cells) per line split on TABs. Splits on "\\n" only: str.splitlines would also break on U+0085."""
-    for number, line in enumerate(text.split("\n"), start=1):
-        line = line.removesuffix("\r")
-        if line.strip():
-            yield number, line.split("\t")
 
 
 def _find_column(cells: list[str], name: str) -> int | None:
@@ -279,22 +226,9 @@ def _read_jsonl(
     items: list[tuple[int, str, str]] = []
     skipped: list[BadRow] = []
     keys: tuple[str, str] | None = None
-    for number, line in enumerate(text.split("\n"), start=1):
-        line = line.removesuffix("\r")
-        if not line.strip():
-            continue
-        if _UNDECODABLE.search(line):
-            skipped.append(BadRow(number, "undecodable bytes (not UTF-8)"))
-            continue
-        try:
-            obj = json.loads(line)
-        except json.JSONDecodeError as e:
-            skipped.append(BadRow(number, f"malformed JSON ({e.msg} at column {e.colno})"))
-            continue
-        except ValueError:  # from int(): Python refuses to read integers this long
-            raise DataError(f"{path} line {number}: a number of more than 4,300 digits, too long to read") from None
-        if not isinstance(obj, dict):
-            skipped.append(BadRow(number, f"not a JSON object but {type(obj).__name__}"))
+    for number, obj, problem in jsonl_objects(text, path):
+        if obj is None:
+            skipped.append(BadRow(number, problem))
             continue
         if keys is None:
             lowered = {str(k).lower(): k for k in obj}  # like CSV headers, known names match in any case
@@ -323,7 +257,7 @@ def _read_jsonl(
 
 
 def _check_item(line: int, text: str, label: str, items: list, skipped: list[BadRow]) -> None:
-    if _UNDECODABLE.search(text) or _UNDECODABLE.search(label):
+    if UNDECODABLE.search(text) or UNDECODABLE.search(label):
         skipped.append(BadRow(line, "undecodable bytes (not UTF-8)"))
     elif not text.strip():
         skipped.append(BadRow(line, "empty text"))
