@@ -1,7 +1,7 @@
-"""Labelled texts for classification: the bundled SMS Spam Collection, and the user's CSV, TSV or JSONL files.
+"""Labelled texts for classification: the bundled SMS Spam Collection, and the user's CSV, TSV, TXT or JSONL files.
 
 `load_dataset` reads rows into `LabelledTexts`; bad rows are skipped and reported (file, line, why), never fatal.
-The file formats themselves (encoding checks, CSV/TSV/JSONL parsing) are in `data_files`.
+The file formats themselves (encoding checks, CSV/TSV/TXT/JSONL parsing) are in `data_files`.
 What follows: `splits.split_dataset` cuts train/val/test, and `batching` turns texts into padded token batches.
 """
 
@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from importlib import resources
 from pathlib import Path
 
-from .data_files import UNDECODABLE, DataError, csv_rows, decode, jsonl_objects, tsv_rows
+from .data_files import UNDECODABLE, DataError, csv_rows, decode, jsonl_objects, tsv_rows, txt_rows
 
 BUNDLED = ("sms_spam",)
 TEXT_NAMES = ("text", "sentence", "message", "content", "body", "review", "document", "comment", "tweet", "sms")
@@ -121,10 +121,12 @@ def load_sms_spam() -> LabelledTexts:
 def load_dataset(
     name_or_path: str | Path, text_column: str | None = None, label_column: str | None = None
 ) -> LabelledTexts:
-    """A bundled dataset by name (`sms_spam`) or a `.csv`, `.tsv` or `.jsonl` file.
+    """A bundled dataset by name (`sms_spam`) or a `.csv`, `.tsv`, `.txt` or `.jsonl` file.
 
     CSV follows RFC 4180 quoting. TSV is split on TABs with no quoting (like the bundled file: a quote is just a
-    character). Either may have a header row, recognised by a column named like `text`/`sentence`/`message` or
+    character). A `.txt` file is read as TSV when its first 100 rows have the same number of TABs, else as CSV when
+    they have the same number of comma-separated fields (UCI's sentiment sets are `sentence<TAB>label` .txt files).
+    Any of these may have a header row, recognised by a column named like `text`/`sentence`/`message` or
     `label`/`class`/`category`/`target` (or by `text_column`/`label_column`); without one, a two-column file's
     label column is the one with few distinct values, and `text_column`/`label_column` may be 0-based numbers.
     JSONL lines are objects with `text` and `label` keys (or the given ones). Labels are strings or integers;
@@ -140,13 +142,16 @@ def load_dataset(
     suffix = path.suffix.lower()
     text = decode(path.read_bytes(), path)
     if suffix == ".jsonl":
-        items, skipped = _read_jsonl(text, path, text_column, label_column)
-    elif suffix in (".csv", ".tsv"):
-        table = csv_rows(text, path) if suffix == ".csv" else tsv_rows(text)
-        items, skipped = _read_table(list(table), path, text_column, label_column)
+        return _build(*_read_jsonl(text, path, text_column, label_column), path)
+    if suffix == ".csv":
+        table = list(csv_rows(text, path))
+    elif suffix == ".tsv":
+        table = list(tsv_rows(text))
+    elif suffix == ".txt":
+        table = txt_rows(text, path)
     else:
-        raise DataError(f"{path}: unsupported file type {suffix!r}; use .csv, .tsv or .jsonl")
-    return _build(items, skipped, path)
+        raise DataError(f"{path}: unsupported file type {suffix!r}; use .csv, .tsv, .txt or .jsonl")
+    return _build(*_read_table(table, path, text_column, label_column), path)
 
 
 def _find_column(cells: list[str], name: str) -> int | None:

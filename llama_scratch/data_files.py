@@ -1,4 +1,4 @@
-"""A data file's bytes as rows: the encoding checked, then CSV records, TSV lines or JSONL objects, with line numbers.
+"""A data file's bytes as rows: the encoding checked, then CSV records, TSV or .txt lines, or JSONL objects.
 
 `data.load_dataset` decides which cells are the text and the label; this module knows only the file formats.
 `DataError` lives here so the readers can raise it; import it from `llama_scratch.data`.
@@ -13,6 +13,8 @@ import json
 import re
 import sys
 from collections.abc import Iterator
+from contextlib import closing
+from itertools import islice
 from pathlib import Path
 
 UNDECODABLE = re.compile("[\udc80-\udcff]")  # what errors="surrogateescape" turns non-UTF-8 bytes into
@@ -20,6 +22,7 @@ BYTE_ORDER_MARKS = (  # UTF-32 first: its little-endian mark starts with UTF-16'
     ("UTF-32", (codecs.BOM_UTF32_LE, codecs.BOM_UTF32_BE)),
     ("UTF-16", (codecs.BOM_UTF16_LE, codecs.BOM_UTF16_BE)),
 )
+TXT_SAMPLE = 100  # the first rows of a .txt file that must agree on its delimiter
 
 
 class DataError(ValueError):
@@ -66,6 +69,33 @@ def tsv_rows(text: str) -> Iterator[tuple[int, list[str]]]:
         line = line.removesuffix("\r")
         if line.strip():
             yield number, line.split("\t")
+
+
+def txt_rows(text: str, path: Path) -> list[tuple[int, list[str]]]:
+    """A .txt file's rows: TSV when its first lines all have the same number of TABs (one or more), else CSV when
+    they all have the same number of comma-separated fields (two or more). UCI's sentiment sets are `text<TAB>0`.
+    """
+    tabs = {len(cells) - 1 for _, cells in islice(tsv_rows(text), TXT_SAMPLE)}
+    if not tabs:
+        return []  # no rows: the caller says so
+    if len(tabs) == 1 and 0 not in tabs:
+        return list(tsv_rows(text))
+    try:
+        with closing(csv_rows(text, path)) as rows:  # closing: csv_rows restores the field size limit when closed
+            fields = {len(cells) for _, cells in islice(rows, TXT_SAMPLE)}
+    except DataError:
+        fields = set()
+    if len(fields) == 1 and 1 not in fields:
+        return list(csv_rows(text, path))
+    counts = f"{_spread(fields)} comma-separated fields" if fields else "unreadable as CSV"
+    raise DataError(
+        f"{path}: a .txt file is read as tab- or comma-separated columns; found neither in its first "
+        f"{TXT_SAMPLE} rows ({_spread(tabs)} tabs, {counts}); rename it .tsv or .csv to choose"
+    )
+
+
+def _spread(counts: set[int]) -> str:
+    return f"{min(counts)}-{max(counts)}" if len(counts) > 1 else str(min(counts))
 
 
 def jsonl_objects(text: str, path: Path) -> Iterator[tuple[int, dict | None, str]]:

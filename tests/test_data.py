@@ -250,3 +250,22 @@ def test_integer_labels_longer_than_18_digits_are_refused(tmp_path):
     lines[1] = '{"text": "b", "label": "' + "7" * 4000 + '"}'
     with pytest.raises(DataError, match="string.jsonl line 2: the label is a 4,000-digit number"):
         load_dataset(write(tmp_path, "string.jsonl", "\n".join(lines)))
+
+
+def test_txt_files_are_read_as_tab_or_comma_separated(tmp_path):
+    """UCI's sentiment sets ship as `sentence<TAB>label` lines in .txt files, with no header."""
+    uci = "".join(f"A very, very good movie number {i}.  \t{i % 2}\n" for i in range(12))
+    data = load_dataset(write(tmp_path, "imdb_labelled.txt", uci))
+    assert len(data) == 12 and data.label_names == ["0", "1"] and data.labels[:2] == [0, 1]
+    assert data.texts[0] == "A very, very good movie number 0.  "  # commas stay in the text
+    sms_txt = write(tmp_path, "sms.txt", resources.files("llama_scratch").joinpath("data/sms_spam.tsv").read_bytes())
+    assert load_dataset(sms_txt).texts == load_sms_spam().texts
+    commas = load_dataset(write(tmp_path, "c.txt", 'text,label\n"good, really",pos\nbad,neg\n'))
+    assert commas.texts == ["good, really", "bad"] and commas.label_names == ["neg", "pos"]
+    ragged = "good movie\t1\nbad, bad\tmovie\t0\nno delimiter at all\n"
+    with pytest.raises(
+        DataError, match=r"r.txt: .* tab- or comma-separated .*\(0-2 tabs, 1-2 comma-separated fields\)"
+    ):
+        load_dataset(write(tmp_path, "r.txt", ragged))
+    with pytest.raises(DataError, match="empty.txt: the file has no rows"):
+        load_dataset(write(tmp_path, "empty.txt", "\n\n"))
