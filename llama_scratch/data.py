@@ -140,6 +140,8 @@ def load_dataset(
         what = "a directory, not a file" if path.is_dir() else "no such file"
         raise DataError(f"{path}: {what} (and not a bundled dataset: {', '.join(BUNDLED)})")
     suffix = path.suffix.lower()
+    if suffix not in (".csv", ".tsv", ".txt", ".jsonl"):  # before reading: an .xlsx is not worth a NUL-byte error
+        raise DataError(f"{path}: unsupported file type {suffix!r}; use .csv, .tsv, .txt or .jsonl")
     text = decode(path.read_bytes(), path)
     if suffix == ".jsonl":
         return _build(*_read_jsonl(text, path, text_column, label_column), path)
@@ -147,10 +149,8 @@ def load_dataset(
         table = list(csv_rows(text, path))
     elif suffix == ".tsv":
         table = list(tsv_rows(text))
-    elif suffix == ".txt":
-        table = txt_rows(text, path)
     else:
-        raise DataError(f"{path}: unsupported file type {suffix!r}; use .csv, .tsv, .txt or .jsonl")
+        table = txt_rows(text, path)
     return _build(*_read_table(table, path, text_column, label_column), path)
 
 

@@ -197,7 +197,7 @@ def test_unusable_files_name_the_file(tmp_path):
     with pytest.raises(DataError, match=r"one.csv: only one class \('a'\)"):
         load_dataset(write(tmp_path, "one.csv", "text,label\nx,a\ny,a\n"))
     with pytest.raises(DataError, match="d.xlsx: unsupported"):
-        load_dataset(write(tmp_path, "d.xlsx", "x"))
+        load_dataset(write(tmp_path, "d.xlsx", b"PK\x03\x04\x14\x00\x00\x00\x08\x00"))  # a zip: NULs, not UTF-8
 
 
 # ---------------------------------------------------------------------------------------------- hostile files
