@@ -75,7 +75,8 @@ def txt_rows(text: str, path: Path) -> list[tuple[int, list[str]]]:
     """A .txt file's rows: TSV when its first lines all have the same number of TABs (one or more), else CSV when
     they all have the same number of comma-separated fields (two or more). UCI's sentiment sets are `text<TAB>0`.
     """
-    tabs = {len(cells) - 1 for _, cells in islice(tsv_rows(text), TXT_SAMPLE)}
+    sample = [len(cells) - 1 for _, cells in islice(tsv_rows(text), TXT_SAMPLE)]
+    tabs = set(sample)
     if not tabs:
         return []  # no rows: the caller says so
     if len(tabs) == 1 and 0 not in tabs:
@@ -90,7 +91,7 @@ def txt_rows(text: str, path: Path) -> list[tuple[int, list[str]]]:
     counts = f"{_spread(fields)} comma-separated fields" if fields else "unreadable as CSV"
     raise DataError(
         f"{path}: a .txt file is read as tab- or comma-separated columns; found neither in its first "
-        f"{TXT_SAMPLE} rows ({_spread(tabs)} tabs, {counts}); rename it .tsv or .csv to choose"
+        f"{len(sample)} lines ({_spread(tabs)} tabs, {counts}); rename it .tsv or .csv to choose"
     )
 
 

@@ -264,7 +264,7 @@ def test_txt_files_are_read_as_tab_or_comma_separated(tmp_path):
     assert commas.texts == ["good, really", "bad"] and commas.label_names == ["neg", "pos"]
     ragged = "good movie\t1\nbad, bad\tmovie\t0\nno delimiter at all\n"
     with pytest.raises(
-        DataError, match=r"r.txt: .* tab- or comma-separated .*\(0-2 tabs, 1-2 comma-separated fields\)"
+        DataError, match=r"r.txt: .* tab- or comma-separated .* first 3 lines \(0-2 tabs, 1-2 comma-separated fields\)"
     ):
         load_dataset(write(tmp_path, "r.txt", ragged))
     with pytest.raises(DataError, match="empty.txt: the file has no rows"):
