@@ -1,33 +1,31 @@
-"""Labelled texts for classification: the bundled SMS Spam Collection, and the user's CSV, TSV or JSONL files.
+"""Labelled texts for classification: the bundled SMS Spam Collection, and the user's CSV, TSV, TXT or JSONL files.
 
 `load_dataset` reads rows into `LabelledTexts`; bad rows are skipped and reported (file, line, why), never fatal.
+The file formats themselves (encoding checks, CSV/TSV/TXT/JSONL parsing) are in `data_files`.
 What follows: `splits.split_dataset` cuts train/val/test, and `batching` turns texts into padded token batches.
 """
 
 from __future__ import annotations
 
-import csv
 import hashlib
-import io
 import json
 import re
-import sys
 import warnings
 from collections import Counter
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from importlib import resources
 from pathlib import Path
 
+from .data_files import UNDECODABLE, DataError, csv_rows, decode, jsonl_objects, tsv_rows, txt_rows
+
 BUNDLED = ("sms_spam",)
 TEXT_NAMES = ("text", "sentence", "message", "content", "body", "review", "document", "comment", "tweet", "sms")
 LABEL_NAMES = ("label", "labels", "class", "category", "target", "sentiment", "intent", "topic")
-_UNDECODABLE = re.compile("[\udc80-\udcff]")  # what errors="surrogateescape" turns non-UTF-8 bytes into
 _INTEGER = re.compile(r"[+-]?\d+")
-
-
-class DataError(ValueError):
-    """A dataset that cannot be used: missing file, no usable rows, one class, columns that cannot be told apart."""
+MAX_CLASSES = 1000  # more is a wrong label column, not a task; evaluation keeps a classes x classes confusion matrix
+MAX_LABEL_DIGITS = 18  # any such integer fits in 64 bits
+FEW_CLASSES = 10  # up to this many classes a tiny file may have one row each; beyond, at least two rows per class
 
 
 class DataWarning(UserWarning):
@@ -132,10 +130,12 @@ def load_sms_spam() -> LabelledTexts:
 def load_dataset(
     name_or_path: str | Path, text_column: str | None = None, label_column: str | None = None
 ) -> LabelledTexts:
-    """A bundled dataset by name (`sms_spam`) or a `.csv`, `.tsv` or `.jsonl` file.
+    """A bundled dataset by name (`sms_spam`) or a `.csv`, `.tsv`, `.txt` or `.jsonl` file.
 
     CSV follows RFC 4180 quoting. TSV is split on TABs with no quoting (like the bundled file: a quote is just a
-    character). Either may have a header row, recognised by a column named like `text`/`sentence`/`message` or
+    character). A `.txt` file is read as TSV when its first 100 rows have the same number of TABs, else as CSV when
+    they have the same number of comma-separated fields (UCI's sentiment sets are `sentence<TAB>label` .txt files).
+    Any of these may have a header row, recognised by a column named like `text`/`sentence`/`message` or
     `label`/`class`/`category`/`target` (or by `text_column`/`label_column`); without one, a two-column file's
     label column is the one with few distinct values, and `text_column`/`label_column` may be 0-based numbers.
     JSONL lines are objects with `text` and `label` keys (or the given ones). Labels are strings or integers;
@@ -149,41 +149,18 @@ def load_dataset(
         what = "a directory, not a file" if path.is_dir() else "no such file"
         raise DataError(f"{path}: {what} (and not a bundled dataset: {', '.join(BUNDLED)})")
     suffix = path.suffix.lower()
-    raw = path.read_bytes().removeprefix(b"\xef\xbb\xbf")
-    text = raw.decode("utf-8", errors="surrogateescape")  # undecodable bytes become markers, reported per row
+    if suffix not in (".csv", ".tsv", ".txt", ".jsonl"):  # before reading: an .xlsx is not worth a NUL-byte error
+        raise DataError(f"{path}: unsupported file type {suffix!r}; use .csv, .tsv, .txt or .jsonl")
+    text = decode(path.read_bytes(), path)
     if suffix == ".jsonl":
-        items, skipped = _read_jsonl(text, path, text_column, label_column)
-    elif suffix in (".csv", ".tsv"):
-        table = _csv_rows(text, path) if suffix == ".csv" else _tsv_rows(text)
-        items, skipped = _read_table(list(table), path, text_column, label_column)
+        return _build(*_read_jsonl(text, path, text_column, label_column), path)
+    if suffix == ".csv":
+        table = list(csv_rows(text, path))
+    elif suffix == ".tsv":
+        table = list(tsv_rows(text))
     else:
-        raise DataError(f"{path}: unsupported file type {suffix!r}; use .csv, .tsv or .jsonl")
-    return _build(items, skipped, path)
-
-
-def _csv_rows(text: str, path: Path) -> Iterator[tuple[int, list[str]]]:
-    """(starting line, cells) per CSV record; a quoted field may span lines. Blank lines are left out."""
-    reader = csv.reader(io.StringIO(text, newline=""))
-    limit = csv.field_size_limit()
-    csv.field_size_limit(min(sys.maxsize, 2**31 - 1))  # long documents exceed the default 128 KiB per field
-    try:
-        start = 1
-        for cells in reader:
-            if any(c.strip() for c in cells):
-                yield start, cells
-            start = reader.line_num + 1
-    except csv.Error as e:
-        raise DataError(f"{path} line {reader.line_num}: unreadable CSV ({e})") from None
-    finally:
-        csv.field_size_limit(limit)
-
-
-def _tsv_rows(text: str) -> Iterator[tuple[int, list[str]]]:
-    """(line, cells) per line split on TABs. Splits on "\\n" only: str.splitlines would also break on U+0085."""
-    for number, line in enumerate(text.split("\n"), start=1):
-        line = line.removesuffix("\r")
-        if line.strip():
-            yield number, line.split("\t")
+        table = txt_rows(text, path)
+    return _build(*_read_table(table, path, text_column, label_column), path)
 
 
 def _find_column(cells: list[str], name: str) -> int | None:
@@ -263,20 +240,9 @@ def _read_jsonl(
     items: list[tuple[int, str, str]] = []
     skipped: list[BadRow] = []
     keys: tuple[str, str] | None = None
-    for number, line in enumerate(text.split("\n"), start=1):
-        line = line.removesuffix("\r")
-        if not line.strip():
-            continue
-        if _UNDECODABLE.search(line):
-            skipped.append(BadRow(number, "undecodable bytes (not UTF-8)"))
-            continue
-        try:
-            obj = json.loads(line)
-        except json.JSONDecodeError as e:
-            skipped.append(BadRow(number, f"malformed JSON ({e.msg} at column {e.colno})"))
-            continue
-        if not isinstance(obj, dict):
-            skipped.append(BadRow(number, f"not a JSON object but {type(obj).__name__}"))
+    for number, obj, problem in jsonl_objects(text, path):
+        if obj is None:
+            skipped.append(BadRow(number, problem))
             continue
         if keys is None:
             lowered = {str(k).lower(): k for k in obj}  # like CSV headers, known names match in any case
@@ -305,7 +271,7 @@ def _read_jsonl(
 
 
 def _check_item(line: int, text: str, label: str, items: list, skipped: list[BadRow]) -> None:
-    if _UNDECODABLE.search(text) or _UNDECODABLE.search(label):
+    if UNDECODABLE.search(text) or UNDECODABLE.search(label):
         skipped.append(BadRow(line, "undecodable bytes (not UTF-8)"))
     elif not text.strip():
         skipped.append(BadRow(line, "empty text"))
@@ -315,17 +281,45 @@ def _check_item(line: int, text: str, label: str, items: list, skipped: list[Bad
         items.append((line, text, label))
 
 
+def _check_label_digits(items: list[tuple[int, str, str]], path: Path) -> None:
+    """Refuse numeric labels longer than MAX_LABEL_DIGITS: an id column, or a broken file (int() stops at 4,300)."""
+    for line, _, label in items:
+        digits = len(label.lstrip("+-"))
+        if digits > MAX_LABEL_DIGITS and _INTEGER.fullmatch(label):
+            raise DataError(
+                f"{path} line {line}: the label is a {digits:,}-digit number (at most {MAX_LABEL_DIGITS}); "
+                "wrong label column? (--label-column)"
+            )
+
+
+def _check_class_count(names: list[str], rows: int, path: Path) -> None:
+    """Refuse about one row per class: a text or id column taken as the label, which no classifier can learn."""
+    if len(names) > MAX_CLASSES:
+        why = f"more than the {MAX_CLASSES:,} classes allowed"
+    elif len(names) > FEW_CLASSES and 2 * len(names) > rows:
+        why = "fewer than two rows per class"
+    else:
+        return
+    shown = ", ".join(repr(name[:30]) for name in names[:3])
+    raise DataError(
+        f"{path}: {len(names):,} distinct labels in {rows:,} rows ({shown}, ...), {why}; "
+        "wrong label column? (--label-column)"
+    )
+
+
 def _build(items: list[tuple[int, str, str]], skipped: list[BadRow], path: Path) -> LabelledTexts:
     """Number the classes, refuse data that cannot train a classifier, and warn about skipped rows."""
     data = LabelledTexts([], [], [], source=str(path), skipped=skipped)
     if not items:
         raise DataError(f"{path}: no usable rows" + (f"; skipped {data.skipped_report()}" if skipped else ""))
+    _check_label_digits(items, path)
     integers = all(_INTEGER.fullmatch(label) for _, _, label in items)
     if integers:  # "1", "01" and "+1" are one class; names sort numerically so 2 < 10
         items = [(line, text, str(int(label))) for line, text, label in items]
     names = sorted({label for _, _, label in items}, key=int if integers else None)
     if len(names) < 2:
         raise DataError(f"{path}: only one class ({names[0]!r}) in {len(items):,} rows; a classifier needs two")
+    _check_class_count(names, len(items), path)
     index = {name: i for i, name in enumerate(names)}
     data = LabelledTexts(
         texts=[text for _, text, _ in items],

@@ -4,7 +4,7 @@ from importlib import resources
 import pytest
 import torch
 
-from llama_scratch.data import DataError, DataWarning, LabelledTexts, load_dataset, load_sms_spam
+from llama_scratch.data import MAX_CLASSES, DataError, DataWarning, LabelledTexts, load_dataset, load_sms_spam
 from llama_scratch.splits import shared_texts, split_dataset
 
 
@@ -197,4 +197,75 @@ def test_unusable_files_name_the_file(tmp_path):
     with pytest.raises(DataError, match=r"one.csv: only one class \('a'\)"):
         load_dataset(write(tmp_path, "one.csv", "text,label\nx,a\ny,a\n"))
     with pytest.raises(DataError, match="d.xlsx: unsupported"):
-        load_dataset(write(tmp_path, "d.xlsx", "x"))
+        load_dataset(write(tmp_path, "d.xlsx", b"PK\x03\x04\x14\x00\x00\x00\x08\x00"))  # a zip: NULs, not UTF-8
+
+
+# ---------------------------------------------------------------------------------------------- hostile files
+
+
+def test_too_many_classes_is_refused_at_load_time(tmp_path):
+    """A text-like label column (one class per row) would allocate a num_classes² confusion matrix in training."""
+    ids = write(tmp_path, "ids.csv", "text,label\n" + "".join(f"message {i},id{i}\n" for i in range(30)))
+    with pytest.raises(DataError, match=r"ids.csv: 30 distinct labels in 30 rows.*wrong label column\? \(--label"):
+        load_dataset(ids)
+    rows = "".join(f"message {i},c{i % (MAX_CLASSES + 1)}\n" for i in range(2 * (MAX_CLASSES + 1)))
+    with pytest.raises(DataError, match=f"capped.csv: {MAX_CLASSES + 1:,} distinct labels in {2 * MAX_CLASSES + 2:,}"):
+        load_dataset(write(tmp_path, "capped.csv", "text,label\n" + rows))
+    few = load_dataset(write(tmp_path, "few.csv", "text,label\n" + "".join(f"m {i},c{i}\n" for i in range(10))))
+    assert few.num_classes == 10  # a tiny file may have one row per class
+    half = load_dataset(write(tmp_path, "half.csv", "text,label\n" + "".join(f"m {i},c{i % 20}\n" for i in range(40))))
+    assert half.num_classes == 20
+
+
+def test_utf16_utf32_and_nul_bytes_are_refused(tmp_path):
+    """Decoded as UTF-8 these load as 'valid' rows with labels like '\\x00h\\x00a\\x00m'."""
+    body = "text\tlabel\nhello there\tham\nwin money\tspam\n"
+    for codec in ("utf-16-le", "utf-16-be", "utf-32-le", "utf-32-be"):  # the four byte-order marks
+        path = write(tmp_path, f"{codec}.tsv", ("\ufeff" + body).encode(codec))
+        message = f"{codec}.tsv looks {codec[:6].upper()} encoded \\(byte-order mark\\); save it as UTF-8"
+        with pytest.raises(DataError, match=message):
+            load_dataset(path)
+    no_bom = write(tmp_path, "le.csv", b"text,label\n" + "hello,ham\nwin,spam\n".encode("utf-16-le"))
+    with pytest.raises(DataError, match=r"le.csv contains NUL bytes \(line 2\): is it binary, or UTF-16/32"):
+        load_dataset(no_bom)
+    long = "".join(f"message number {i}\t{'ab'[i % 2]}\n" for i in range(200))
+    data = load_dataset(write(tmp_path, "one_nul.tsv", "text\tlabel\nnul \x00 here\ta\n" + long))
+    assert data.texts[0] == "nul \x00 here" and len(data) == 201  # a stray NUL in a text file is kept, as before
+
+
+def test_integer_labels_longer_than_18_digits_are_refused(tmp_path):
+    """int() refuses over 4,300 digits with a bare ValueError; a label that long is a wrong column or a broken file."""
+    body = "text,label\na,1\nb,2\nc," + "9" * 5000 + "\nd,1\n"
+    with pytest.raises(DataError, match="long.csv line 4: the label is a 5,000-digit number.*--label-column"):
+        load_dataset(write(tmp_path, "long.csv", body))
+    with pytest.raises(DataError, match="id.csv line 2: the label is a 19-digit number"):
+        load_dataset(write(tmp_path, "id.csv", "text,label\na,-1234567890123456789\nb,2\n"))
+    assert load_dataset(write(tmp_path, "ok.csv", "text,label\na,+123456789012345678\nb,2\n")).label_names == [
+        "2",
+        "123456789012345678",
+    ]
+    lines = ['{"text": "a", "label": 1}', '{"text": "b", "label": ' + "7" * 5000 + "}"]
+    with pytest.raises(DataError, match="long.jsonl line 2: a number of more than 4,300 digits"):
+        load_dataset(write(tmp_path, "long.jsonl", "\n".join(lines)))
+    lines[1] = '{"text": "b", "label": "' + "7" * 4000 + '"}'
+    with pytest.raises(DataError, match="string.jsonl line 2: the label is a 4,000-digit number"):
+        load_dataset(write(tmp_path, "string.jsonl", "\n".join(lines)))
+
+
+def test_txt_files_are_read_as_tab_or_comma_separated(tmp_path):
+    """UCI's sentiment sets ship as `sentence<TAB>label` lines in .txt files, with no header."""
+    uci = "".join(f"A very, very good movie number {i}.  \t{i % 2}\n" for i in range(12))
+    data = load_dataset(write(tmp_path, "imdb_labelled.txt", uci))
+    assert len(data) == 12 and data.label_names == ["0", "1"] and data.labels[:2] == [0, 1]
+    assert data.texts[0] == "A very, very good movie number 0.  "  # commas stay in the text
+    sms_txt = write(tmp_path, "sms.txt", resources.files("llama_scratch").joinpath("data/sms_spam.tsv").read_bytes())
+    assert load_dataset(sms_txt).texts == load_sms_spam().texts
+    commas = load_dataset(write(tmp_path, "c.txt", 'text,label\n"good, really",pos\nbad,neg\n'))
+    assert commas.texts == ["good, really", "bad"] and commas.label_names == ["neg", "pos"]
+    ragged = "good movie\t1\nbad, bad\tmovie\t0\nno delimiter at all\n"
+    with pytest.raises(
+        DataError, match=r"r.txt: .* tab- or comma-separated .* first 3 lines \(0-2 tabs, 1-2 comma-separated fields\)"
+    ):
+        load_dataset(write(tmp_path, "r.txt", ragged))
+    with pytest.raises(DataError, match="empty.txt: the file has no rows"):
+        load_dataset(write(tmp_path, "empty.txt", "\n\n"))
