@@ -73,8 +73,9 @@ def read_run_files(meta_path: Path, weights_path: Path) -> dict:
             weights_run = (f.metadata() or {}).get("run_id")
     except (UnicodeDecodeError, json.JSONDecodeError, SafetensorError) as e:
         raise CheckpointError(f"{meta_path.parent}: unreadable run files: {e}") from None
-    if not isinstance(meta, dict) or (missing := [k for k in RUN_KEYS if k not in meta]):
-        raise CheckpointError(f"{meta_path} is not a classifier description (missing {missing or 'everything'})")
+    missing = [k for k in RUN_KEYS if k not in meta] if isinstance(meta, dict) else list(RUN_KEYS)
+    if missing:
+        raise CheckpointError(f"{meta_path} is not a classifier description (it lacks {', '.join(missing)})")
     if meta.get("run_id") != weights_run:  # runs from before run ids have neither
         raise CheckpointError(
             f"{meta_path.parent}: classifier.json and classifier.safetensors come from different runs (run ids "

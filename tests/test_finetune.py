@@ -1,6 +1,5 @@
 """The main job end to end, as a user runs it: one process, two DDP processes, interrupted and resumed."""
 
-import csv
 import json
 import os
 import signal
@@ -16,22 +15,7 @@ from safetensors.torch import load_file, save_file
 
 from llama_scratch import classify, finetune_classifier
 from llama_scratch.config import parse_dtype
-from llama_scratch.data import load_sms_spam
 from llama_scratch.resume import read_point
-
-
-@pytest.fixture(scope="module")
-def small_csv(tmp_path_factory) -> Path:
-    """96 real SMS messages, half spam, as a user's CSV file with a header."""
-    sms = load_sms_spam()
-    ham = [t for t, y in zip(sms.texts, sms.labels, strict=True) if y == 0][:48]
-    spam = [t for t, y in zip(sms.texts, sms.labels, strict=True) if y == 1][:48]
-    path = tmp_path_factory.mktemp("data") / "sms.csv"
-    with path.open("w", newline="") as f:
-        w = csv.writer(f)
-        w.writerow(["message", "category"])
-        w.writerows([(t, "ham") for t in ham] + [(t, "spam") for t in spam])
-    return path
 
 
 def args_for(data: Path, out: Path, *extra: str) -> list[str]:
