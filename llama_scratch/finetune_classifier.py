@@ -47,7 +47,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     p.add_argument("--model", help="preset name, checkpoint directory or Hugging Face repo id; default: the best "
                    "checkpoint in weights/, else the 'tiny' preset trained from scratch")  # fmt: skip
-    p.add_argument("--data", default="sms_spam", help="'sms_spam' (bundled) or a .csv/.tsv/.jsonl file")
+    p.add_argument("--data", default="sms_spam", help="'sms_spam' (bundled) or a .csv/.tsv/.txt/.jsonl file")
     p.add_argument("--text-column", help="column (or JSON key) holding the text")
     p.add_argument("--label-column", help="column (or JSON key) holding the label")
     p.add_argument("--split", help="book | dedup | stratified | full (default: book for sms_spam, else stratified)")
