@@ -17,20 +17,22 @@ from safetensors.torch import load_file
 
 from .batching import collate, length_sorted_batches
 from .classifier import LlamaClassifier
-from .config import LlamaConfig, parse_dtype
+from .config import PRESETS, LlamaConfig, parse_dtype
+from .devices import choose_dtype, resolve_device
 from .download import DownloadError
-from .finetune_classifier import choose_dtype
 from .model import Llama
+from .plan import count_parameters
 from .tokenizer import Tokenizer
 from .train import RESUME_FILE
 from .weights import CheckpointError, copy_named_tensors, load_model
 
 
 def load_classifier(
-    run_dir: str | Path, device: str | torch.device = "auto", dtype: str = "auto"
+    run_dir: str | Path, device: str | torch.device = "auto", dtype: str = "auto", model: str | Path | None = None
 ) -> tuple[LlamaClassifier, Tokenizer, dict]:
-    """A fine-tuned classifier from a `finetune_classifier` output directory, its tokenizer and its settings."""
-    run_dir = Path(run_dir)
+    """A fine-tuned classifier from a `finetune_classifier` output directory, its tokenizer and its settings.
+    `model` points at the base checkpoint when it is no longer where the run recorded it."""
+    run_dir, device = Path(run_dir), resolve_device(str(device))
     meta_path, weights_path = run_dir / "classifier.json", run_dir / "classifier.safetensors"
     if (run_dir / RESUME_FILE).is_file() and not meta_path.is_file():
         raise FileNotFoundError(f"{run_dir} holds an unfinished run: finish it with finetune_classifier --resume")
@@ -38,12 +40,13 @@ def load_classifier(
         if not path.is_file():
             raise FileNotFoundError(f"{path} not found: is {run_dir} the --output of a finished fine-tuning run?")
     meta = read_run_files(meta_path, weights_path)
-    device = torch.device(("cuda" if torch.cuda.is_available() else "cpu") if device == "auto" else device)
-    torch_dtype = choose_dtype(dtype, device)
+    cfg = LlamaConfig.from_hf_dict(meta["config"], source=str(meta_path))
+    trained_in = parse_dtype(meta["dtype"])  # a float32 copy that would not fit keeps the training dtype
+    torch_dtype = choose_dtype(dtype, device, trained_in, count_parameters(cfg).backbone)
     if dtype == "auto" and torch_dtype != torch.float32:  # the device computes low precision well: use what
-        torch_dtype = parse_dtype(meta["dtype"])  # training used, so predictions match the evaluation it reported
+        torch_dtype = trained_in  # training used, so predictions match the evaluation it reported
+    base = None
     if meta["weights_include_backbone"]:  # trained from scratch: the file holds every weight
-        cfg = LlamaConfig.from_hf_dict(meta["config"], source=str(meta_path))
         cfg.dtype = torch_dtype
         with torch.device("meta"):
             backbone = Llama(cfg)
@@ -51,14 +54,40 @@ def load_classifier(
         if cfg.tie_embeddings:  # to_empty gives each name its own tensor: tie them again
             backbone.lm_head.weight = backbone.embed_tokens.weight
     else:
-        backbone = load_model(meta["base_model"], device=device, dtype=torch_dtype)
+        base = find_base_model(meta, run_dir, model)
+        backbone = load_model(base, device=device, dtype=torch_dtype)
     clf = LlamaClassifier(backbone, num_classes=meta["num_classes"], train_last=meta["train_last"]).eval()
     tensors = load_file(weights_path, device=str(device))
     # Every parameter of a from-scratch model, else every one the run trained: none may keep a fresh initialisation.
     needed = clf.named_parameters() if meta["weights_include_backbone"] else clf.trainable_parameters().items()
     copy_named_tensors(clf, tensors, str(weights_path), required=[name for name, _ in needed])
-    tokenizer = Tokenizer.default() if meta["tokenizer"] == "llama3" else Tokenizer.for_checkpoint(meta["tokenizer"])
+    if meta["tokenizer"] == "llama3":
+        tokenizer = Tokenizer.default()
+    else:  # the base checkpoint's own: where it is now, if it moved
+        tokenizer = Tokenizer.for_checkpoint(base if base and Path(base).is_dir() else meta["tokenizer"])
     return clf, tokenizer, meta
+
+
+def find_base_model(meta: dict, run_dir: Path, override: str | Path | None) -> str:
+    """The base checkpoint: `--model` if given; else as recorded, relative to the run (a run moved together with
+    its weights), then absolute, then the Hub repo it came from; a clear error naming --model otherwise."""
+    if override is not None:
+        if not Path(override).exists():
+            raise FileNotFoundError(f"--model {override}: no such file or directory")
+        return str(override)
+    candidates = []
+    if rel := meta.get("base_model_relative"):
+        candidates.append(run_dir / rel)
+    candidates.append(Path(meta["base_model"]))
+    for path in candidates:
+        if path.exists():
+            return str(path)
+    if meta["base_model"] in PRESETS or meta.get("base_model_repo"):
+        return meta.get("base_model_repo") or meta["base_model"]
+    raise FileNotFoundError(
+        f"the base model of {run_dir} is no longer at {meta['base_model']} (moved or deleted?); pass --model PATH "
+        "to point at its checkpoint directory"
+    )
 
 
 RUN_KEYS = ("base_model", "weights_include_backbone", "config", "num_classes", "label_names", "train_last",
@@ -86,11 +115,12 @@ def read_run_files(meta_path: Path, weights_path: Path) -> dict:
 
 @torch.inference_mode()
 def predict(
-    clf: LlamaClassifier, tokenizer: Tokenizer, texts: list[str], max_length: int, batch_size: int = 16
+    clf: LlamaClassifier, tokenizer: Tokenizer, texts: list[str], max_length: int | None = None, batch_size: int = 16
 ) -> list[tuple[int, float]]:
-    """(class id, probability) per text, in input order. Texts are batched by length to pad little."""
+    """(class id, probability) per text, in input order. Texts are cut to `max_length` tokens only if asked (by
+    default, to the model's context: the training run's length limit is no limit here). Batched by length."""
     device = clf.head.weight.device
-    ids = [tokenizer.encode(t, bos=True)[:max_length] for t in texts]
+    ids = [tokenizer.encode(t, bos=True)[: max_length or clf.backbone.cfg.max_seq_len] for t in texts]
     out: list[tuple[int, float]] = [(0, 0.0)] * len(ids)
     for rows in length_sorted_batches([len(x) for x in ids], batch_size):
         batch = collate([(ids[i], 0) for i in rows], tokenizer.pad_id)
@@ -113,6 +143,9 @@ def main(argv: list[str] | None = None) -> int:
         help="auto (the training dtype on a GPU with bfloat16, else float32) | bfloat16 | float32",
     )
     p.add_argument("--batch-size", type=int, default=16)
+    p.add_argument("--max-length", type=int, help="cut texts to this many tokens (default: the model's context, "
+                   "whatever the training run used)")  # fmt: skip
+    p.add_argument("--model", help="the base checkpoint directory, when it moved since training")
     args = p.parse_args(argv)
     texts = list(args.texts)
     if args.file:
@@ -126,13 +159,15 @@ def main(argv: list[str] | None = None) -> int:
     if not texts:
         p.error("give texts to classify, or --file")
     try:
-        clf, tokenizer, meta = load_classifier(args.checkpoint, args.device, args.dtype)
+        clf, tokenizer, meta = load_classifier(args.checkpoint, args.device, args.dtype, args.model)
     except (FileNotFoundError, ValueError, DownloadError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    for text, (label, prob) in zip(
-        texts, predict(clf, tokenizer, texts, meta["max_length"], args.batch_size), strict=True
-    ):
+    max_length = args.max_length or clf.backbone.cfg.max_seq_len
+    if cut := sum(len(tokenizer.encode(t, bos=True)) > max_length for t in texts):
+        why = "--max-length" if args.max_length else "the model's context"
+        print(f"note: {cut} text(s) longer than {max_length} tokens ({why}) were cut to that", file=sys.stderr)
+    for text, (label, prob) in zip(texts, predict(clf, tokenizer, texts, max_length, args.batch_size), strict=True):
         print(f"{meta['label_names'][label]}\t{prob:.3f}\t{text}")
     return 0
 

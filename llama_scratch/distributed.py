@@ -17,6 +17,8 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
+from .devices import resolve_device
+
 COLLECTIVE_TIMEOUT = timedelta(hours=2)
 
 
@@ -46,9 +48,7 @@ def setup(device: str | None = None) -> tuple[Dist, torch.device]:
         local_rank=int(os.environ.get("LOCAL_RANK", 0)),
         world_size=int(os.environ.get("WORLD_SIZE", 1)),
     )
-    if device is None or device == "auto":
-        device = "cuda" if torch.cuda.is_available() else "cpu"
-    dev = torch.device(device)
+    dev = resolve_device(device)
     if dev.type == "cuda":
         if env.enabled or dev.index is None:
             dev = torch.device("cuda", env.local_rank if env.enabled else torch.cuda.current_device())

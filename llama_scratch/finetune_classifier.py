@@ -10,6 +10,7 @@ import csv
 import dataclasses
 import io
 import json
+import os
 import signal
 import sys
 import time
@@ -23,20 +24,22 @@ from . import distributed
 from .atomic import write_atomic, write_text_atomic
 from .batching import default_max_length, encode_texts
 from .classifier import LlamaClassifier
-from .config import PRESETS, LlamaConfig, parse_dtype
+from .config import PRESETS, LlamaConfig
 from .data import DataWarning, load_dataset
+from .devices import choose_dtype, free_memory, memory_budget
 from .distributed import Dist
 from .download import DownloadError, default_dir, fetch, fetch_smollm2
 from .plan import count_parameters
 from .plan_report import plan_command
-from .prefix_cache import cache_bytes, compute_frozen_states, free_memory, frozen_blocks, memory_budget
-from .run_dir import BEST_FILE, WORK_FILES, check_output, clear_run, new_run_id
+from .prefix_cache import cache_bytes, compute_frozen_states, frozen_blocks
+from .run_dir import BEST_FILE, WORK_FILES, OutputError, check_output, clear_run, new_run_id
 from .splits import default_protocol, split_dataset
 from .tokenizer import Tokenizer
 from .train import Split, TrainingDiverged, TrainSettings, evaluate, per_class, train
 from .weights import copy_named_tensors, is_repo_id, load_model, save_weights
 
 WEIGHTS_DIR = Path("weights")
+RUNS_DIR = Path("runs")
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -51,7 +54,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--text-column", help="column (or JSON key) holding the text")
     p.add_argument("--label-column", help="column (or JSON key) holding the label")
     p.add_argument("--split", help="book | dedup | stratified | full (default: book for sms_spam, else stratified)")
-    p.add_argument("--output", type=Path, help="output directory (default: runs/MODEL-DATA)")
+    p.add_argument("--output", type=Path, help="output directory (default: a new runs/MODEL-DATA-DATE-TIME, also "
+                   "reachable as runs/latest; with --resume, runs/latest)")  # fmt: skip
     p.add_argument("--epochs", type=int, default=5)
     p.add_argument("--max-steps", type=int, help="stop after this many optimizer steps")
     p.add_argument("--batch-size", type=int, default=8, help="rows per process per micro-batch")
@@ -85,15 +89,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--gpu-memory", type=float, metavar="GiB", help="GPU memory to check --plan against (default: "
                    "the detected GPU's); also plans for a GPU on a machine without one")  # fmt: skip
     return p.parse_args(argv)
-
-
-def choose_dtype(name: str, device: torch.device) -> torch.dtype:
-    """bfloat16 where the hardware computes it natively; float32 on CPU, where bfloat16 matmuls crawl."""
-    if name != "auto":
-        return parse_dtype(name)
-    if device.type == "cuda" and torch.cuda.is_bf16_supported():
-        return torch.bfloat16
-    return torch.float32
 
 
 def find_checkpoints(root: Path | None = None) -> list[Path]:
@@ -133,6 +128,47 @@ def default_model(
             "shows the pipeline, not what a pretrained model can do."
         )
         return "tiny"
+
+
+def default_output(model_ref: str, data: str, resume: bool, runs: Path = RUNS_DIR) -> Path:
+    """A new directory per run, named for the model, the data file (with its type: x.csv and x.jsonl differ) and
+    the time, so that no run lands in another's folder. `--resume` without `--output` continues runs/latest."""
+    if resume:
+        if not (runs / "latest").exists():
+            raise OutputError(f"--resume without --output continues {runs}/latest, which does not exist; pass --output")
+        return (runs / "latest").resolve()
+    name = Path(data).name.replace(".", "-")
+    base = runs / f"{Path(model_ref).name}-{name}-{time.strftime('%Y%m%d-%H%M%S')}"
+    out, n = base, 1
+    while out.exists():  # two runs started within the same second
+        n += 1
+        out = base.with_name(f"{base.name}-{n}")
+    return out
+
+
+def point_latest(out: Path) -> None:
+    """runs/latest -> the newest run's directory, so `classify --checkpoint runs/latest` finds it. Only a link
+    we made is replaced; a file or directory of that name that someone else put there is left alone."""
+    latest = out.parent / "latest"
+    if latest.exists() and not latest.is_symlink():
+        return
+    tmp = out.parent / f".latest.{os.getpid()}.tmp"
+    try:
+        tmp.unlink(missing_ok=True)
+        tmp.symlink_to(out.name, target_is_directory=True)
+        os.replace(tmp, latest)
+    except OSError:  # a filesystem without symbolic links: the run is still in its own folder
+        tmp.unlink(missing_ok=True)
+
+
+def base_model_record(model_ref: str, repo_id: str | None, out: Path) -> dict:
+    """Where classify finds the base model again: the path as given (absolute), the path relative to the run (a
+    run moved together with its weights still works), and the Hub repo id it came from, if any."""
+    path = Path(model_ref)
+    if not path.exists():  # a preset: nothing on disk
+        return {"base_model": model_ref}
+    record = {"base_model": str(path.resolve()), "base_model_relative": os.path.relpath(path.resolve(), out.resolve())}
+    return record | ({"base_model_repo": repo_id} if repo_id else {})
 
 
 def trains_from_scratch(model_ref: str) -> bool:
@@ -230,7 +266,7 @@ def run(args: argparse.Namespace) -> dict:
         warnings.simplefilter("ignore", DataWarning)
     started = time.perf_counter()
     torch.manual_seed(args.seed)
-    dtype = choose_dtype(args.dtype, device)
+    dtype = choose_dtype(args.dtype, device)  # a first answer, to size the default model by
 
     # --- data
     data = load_dataset(args.data, text_column=args.text_column, label_column=args.label_column)
@@ -242,9 +278,16 @@ def run(args: argparse.Namespace) -> dict:
     # --- model and tokenizer
     # Under torchrun, rank 0 alone looks for (and if need be fetches) the default model; the others take its answer.
     model_ref = args.model or distributed.broadcast_object(default_model(device, dtype, log) if env.is_main else None)
-    if is_repo_id(model_ref):  # fetched once, by rank 0; from then on it is a local directory like any other
+    repo_id = model_ref if is_repo_id(model_ref) else None
+    if repo_id:  # fetched once, by rank 0; from then on it is a local directory like any other
         model_ref = distributed.broadcast_object(str(fetch(model_ref, default_dir(model_ref))) if env.is_main else None)
-    out = args.output or Path("runs") / f"{Path(model_ref).name}-{Path(args.data).stem}"
+    if Path(model_ref).is_dir():  # a float32 copy that would not fit keeps the checkpoint's own dtype
+        cfg = LlamaConfig.from_hf(model_ref)
+        dtype = choose_dtype(args.dtype, device, cfg.dtype, count_parameters(cfg).backbone, log)
+    out = args.output or distributed.broadcast_object(
+        default_output(model_ref, args.data, args.resume) if env.is_main else None
+    )
+    log(f"output: {out}/")
     check_output(out, args.resume, args.overwrite)  # before anything is loaded or written
     backbone = load_model(model_ref, device=device, dtype=dtype, progress=env.is_main)
     backbone.gradient_checkpointing = args.gradient_checkpointing
@@ -294,6 +337,8 @@ def run(args: argparse.Namespace) -> dict:
         if not args.resume:  # a fresh run: nothing of an earlier run in this directory may be taken for ours
             clear_run(out)
         out.mkdir(parents=True, exist_ok=True)
+        if args.output is None:
+            point_latest(out)
     distributed.barrier()
 
     # Trained parameters only, unless the backbone itself came from random weights (then nothing else holds it).
@@ -365,7 +410,7 @@ def run(args: argparse.Namespace) -> dict:
         save_classifier(out / "classifier.safetensors", {"run_id": run_id})
         meta = {
             "run_id": run_id,
-            "base_model": str(Path(model_ref).resolve()) if Path(model_ref).exists() else model_ref,
+            **base_model_record(model_ref, repo_id, out),
             "weights_include_backbone": from_scratch,
             "config": backbone.cfg.to_hf_dict(),
             "num_classes": data.num_classes,

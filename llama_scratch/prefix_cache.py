@@ -7,10 +7,6 @@ blocks on it: after the first pass, an epoch costs about k/L of a full forward a
 
 from __future__ import annotations
 
-import os
-import re
-from pathlib import Path
-
 import torch
 from tqdm.auto import tqdm
 
@@ -31,29 +27,6 @@ def cache_bytes(token_lists: list[list[int]], clf: LlamaClassifier) -> int:
     """Memory the cached states take: one vector of the model's width per real token."""
     width = clf.backbone.cfg.dim
     return sum(map(len, token_lists)) * width * clf.head.weight.element_size()
-
-
-def memory_budget(device: torch.device, fraction: float = 0.25) -> int:
-    """The share of the device's memory we allow the cache (the rest is for weights, gradients, activations)."""
-    if device.type == "cuda":
-        return int(torch.cuda.get_device_properties(device).total_memory * fraction)
-    return int(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") * fraction)
-
-
-def free_memory(device: torch.device) -> int:
-    """Bytes that could still be allocated on the device now (after the weights are loaded, say)."""
-    if device.type == "cuda":
-        free, _ = torch.cuda.mem_get_info(device)
-        return free + torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)  # ours, held unused
-    try:  # Linux: MemAvailable counts the page cache the kernel can give back (memory-mapped weights included)
-        meminfo = Path("/proc/meminfo").read_text()
-        return int(re.search(r"MemAvailable:\s+(\d+) kB", meminfo).group(1)) * 1024
-    except (OSError, AttributeError):
-        pass
-    try:
-        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
-    except (ValueError, OSError):  # macOS has no such count: all of memory, so the budget alone decides
-        return memory_budget(device, fraction=1.0)
 
 
 @torch.no_grad()

@@ -54,7 +54,7 @@ def test_one_process_run_writes_results_and_classify_reads_them(small_csv, tmp_p
 
     # Where the device would run bfloat16 by default (a GPU; faked here), a model trained in float32 is run in
     # float32 (the precision its reported accuracy was measured in) unless asked otherwise.
-    as_on_a_gpu = lambda name, device: torch.bfloat16 if name == "auto" else parse_dtype(name)  # noqa: E731
+    as_on_a_gpu = lambda name, device, *a, **k: torch.bfloat16 if name == "auto" else parse_dtype(name)  # noqa: E731
     monkeypatch.setattr(classify, "choose_dtype", as_on_a_gpu)
     assert classify.load_classifier(out)[0].head.weight.dtype == torch.float32
     assert classify.load_classifier(out, dtype="bfloat16")[0].head.weight.dtype == torch.bfloat16
@@ -228,7 +228,7 @@ def test_free_memory_without_proc_meminfo_falls_back(monkeypatch):
     """macOS has neither /proc/meminfo nor SC_AVPHYS_PAGES: the cache's room is then the budget alone."""
     import os
 
-    from llama_scratch import prefix_cache
+    from llama_scratch import devices
 
     def no_file(self, *a, **k):
         raise FileNotFoundError(self)
@@ -240,7 +240,7 @@ def test_free_memory_without_proc_meminfo_falls_back(monkeypatch):
             raise ValueError("unrecognized configuration name")
         return real_sysconf(name)
 
-    monkeypatch.setattr(prefix_cache.Path, "read_text", no_file)
-    monkeypatch.setattr(prefix_cache.os, "sysconf", sysconf)
+    monkeypatch.setattr(devices.Path, "read_text", no_file)
+    monkeypatch.setattr(devices.os, "sysconf", sysconf)
     cpu = torch.device("cpu")
-    assert prefix_cache.free_memory(cpu) == prefix_cache.memory_budget(cpu, fraction=1.0) > 0
+    assert devices.free_memory(cpu) == devices.memory_budget(cpu, fraction=1.0) > 0
