@@ -1,0 +1,190 @@
+"""Damaged and hostile files: each is one clear CheckpointError or GGUFError, quickly and in bounded memory.
+
+Hand-made files check each kind of lie a header can tell (a shard outside the checkpoint, a shape that is not a
+shape, a count of 2^40 elements); seeded fuzzing then checks that random damage to a small valid file either
+still loads or fails with the module's own error, never a traceback from deeper down.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import resource
+import time
+import tracemalloc
+from collections import Counter
+from pathlib import Path
+
+import pytest
+import torch
+
+from llama_scratch.checkpoint_files import CheckpointError, read_header
+from llama_scratch.config import LlamaConfig
+from llama_scratch.model import Llama
+from llama_scratch.weights import load_weights, save_weights
+
+# --- safetensors ---------------------------------------------------------------------------------------------
+
+
+def tiny_config() -> LlamaConfig:
+    return LlamaConfig.from_name("tiny", vocab_size=32, n_layers=1, ffn_dim=32)
+
+
+def meta_model() -> Llama:
+    with torch.device("meta"):
+        return Llama(tiny_config())
+
+
+def save_tiny(path: Path) -> Path:
+    torch.manual_seed(0)
+    return save_weights(Llama(tiny_config()).state_dict(), path)
+
+
+# --- safetensors: the header ----------------------------------------------------------------------------------
+
+
+def write_safetensors(path: Path, header: object, data: bytes = bytes(64)) -> Path:
+    """A file in safetensors layout with any header: JSON text as given, anything else through json.dumps."""
+    text = (header if isinstance(header, str) else json.dumps(header)).encode()
+    path.write_bytes(len(text).to_bytes(8, "little") + text + data)
+    return path
+
+
+def entry(dtype="F32", shape=(2,), offsets=(0, 8)) -> dict:
+    return {"dtype": dtype, "shape": list(shape) if isinstance(shape, tuple) else shape, "data_offsets": offsets}
+
+
+BAD_HEADERS = {
+    "a list": ([entry()], "its header is a JSON list, not an object"),
+    "a number": ("3", "its header is a JSON int, not an object"),
+    "entry not an object": ({"w": [1, 2]}, r"tensor 'w': entry is \[1, 2\], not an object"),
+    "no dtype": ({"w": {"shape": [2], "data_offsets": [0, 8]}}, "tensor 'w': dtype None is not one of"),
+    "unknown dtype": ({"w": entry(dtype="F7")}, "tensor 'w': dtype 'F7' is not one of BF16"),
+    "dtype not a string": ({"w": entry(dtype=["F32"])}, r"tensor 'w': dtype \['F32'\] is not one of"),
+    "float dimension": ({"w": entry(shape=[2.0])}, r"tensor 'w': shape \[2.0\] is not a list of sizes"),
+    "bool dimension": ({"w": entry(shape=[True, 2])}, r"tensor 'w': shape \[True, 2\] is not a list of sizes"),
+    "negative dimension": ({"w": entry(shape=[-2, -1], offsets=[0, 8])}, r"shape \[-2, -1\] is not a list"),
+    "nested shape": ({"w": entry(shape=[[2]])}, r"tensor 'w': shape \[\[2\]\] is not a list of sizes"),
+    "shape not a list": ({"w": entry(shape="2")}, "tensor 'w': shape '2' is not a list of sizes"),
+    "absurd shape": ({"w": entry(shape=[2**62, 2**62, 0])}, r"shape \[4611686018427387904, .* is not a list"),
+    "huge zero-size shape": ({"w": entry(shape=[0, 2**70], offsets=[0, 0])}, "is not a list of sizes"),
+    "one offset": ({"w": entry(offsets=[8])}, r"data_offsets \[8\] is not a pair of byte offsets"),
+    "three offsets": ({"w": entry(offsets=[0, 4, 8])}, r"data_offsets \[0, 4, 8\] is not a pair"),
+    "string offsets": ({"w": entry(offsets=["0", "8"])}, r"data_offsets \['0', '8'\] is not a pair"),
+    "float offsets": ({"w": entry(offsets=[0, 8.0])}, r"data_offsets \[0, 8.0\] is not a pair"),
+    "negative offsets": ({"w": entry(offsets=[-8, 0])}, r"data_offsets \[-8, 0\] is not a pair"),
+    "end before begin": ({"w": entry(shape=[0], offsets=[8, 0])}, r"data_offsets \[8, 0\] end before they begin"),
+    "size mismatch": ({"w": entry(shape=[3])}, r"tensor 'w': \[3\] F32 needs 12 bytes, data_offsets \[0, 8\] span 8"),
+    "past the end": ({"w": entry(shape=[32], offsets=[0, 128])}, r"is truncated: w ends at byte \d+ but the file"),
+    "overlap": ({"a": entry(offsets=[0, 8]), "b": entry(offsets=[4, 12])}, "tensors 'a' and 'b' overlap"),
+    "metadata not an object": ({"__metadata__": "x", "w": entry()}, "__metadata__ must map strings to strings"),
+    "metadata number": ({"__metadata__": {"step": 3}, "w": entry()}, "__metadata__ must map strings to strings"),
+    "name twice": ('{"w": ENTRY, "w": ENTRY}'.replace("ENTRY", json.dumps(entry())), "'w' appears twice"),
+    "deep nesting": ("[" * 100_000 + "]" * 100_000, "header is not valid JSON"),
+}
+
+
+@pytest.mark.parametrize(("header", "message"), BAD_HEADERS.values(), ids=BAD_HEADERS.keys())
+def test_every_malformed_header_is_a_checkpoint_error(tmp_path, header, message):
+    path = write_safetensors(tmp_path / "x.safetensors", header)
+    with pytest.raises(CheckpointError, match=message) as err:
+        read_header(path)
+    assert str(path) in str(err.value)
+
+
+def test_header_length_is_bounded_before_reading(tmp_path):
+    """A length of 150 MB inside a (sparse) 200 MB file: refused before those bytes are read into memory."""
+    path = tmp_path / "big.safetensors"
+    with open(path, "wb") as f:
+        f.write((150_000_000).to_bytes(8, "little"))
+        f.truncate(200_000_000)
+    tracemalloc.start()
+    try:
+        with pytest.raises(CheckpointError, match="header length 150000000"):
+            read_header(path)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert peak < 10_000_000
+
+
+def test_valid_header_still_reads(tmp_path):
+    header = {"__metadata__": {"format": "pt"}, "a": entry(offsets=[0, 8]), "b": entry("I8", [0], [8, 8])}
+    tensors = read_header(write_safetensors(tmp_path / "ok.safetensors", header))
+    assert [(t.name, t.dtype, t.shape, t.nbytes) for t in tensors.values()] == [
+        ("a", torch.float32, (2,), 8),
+        ("b", torch.int8, (0,), 0),
+    ]
+
+
+# --- mutations ------------------------------------------------------------------------------------------------
+
+
+def mutate(data: bytes, rng: random.Random, header_end: int) -> bytes:
+    """One random kind of damage, mostly to the header, where a file's counts and lengths live."""
+    data = bytearray(data)
+    spot = rng.randrange(header_end) if rng.random() < 0.85 else rng.randrange(len(data))
+    kind = rng.choice(["flip", "digit", "ff", "truncate", "zero"])
+    if kind == "flip":
+        for _ in range(rng.randint(1, 4)):
+            data[rng.randrange(header_end)] ^= 1 << rng.randrange(8)
+    elif kind == "digit":  # in JSON, a different number that still parses
+        digits = [i for i in range(header_end) if chr(data[i]).isdigit()]
+        data[rng.choice(digits)] = ord(rng.choice("0123456789"))
+    elif kind == "ff":  # counts and lengths of 2^64 - 1
+        n = rng.randint(1, 16)
+        data[spot : spot + n] = b"\xff" * n
+    elif kind == "zero":
+        n = rng.randint(1, 8)
+        data[spot : spot + n] = bytes(n)
+    else:
+        del data[spot:]
+    return bytes(data)
+
+
+# JSON values of every wrong kind, for the fields of a safetensors header.
+ODD_VALUES = [-1, 0, 1.5, 2**64, True, None, "F32", "x", [], [0], [-8, 8], [1, 2, 3], [[4]], {}, {"a": 1}]
+
+
+def retype(data: bytes, rng: random.Random) -> bytes:
+    """A header that is still valid JSON, with one field of one entry (or the entry itself) swapped for an odd
+    value: the damage a byte flip rarely makes but a hostile writer would."""
+    n = int.from_bytes(data[:8], "little")
+    header = json.loads(data[8 : 8 + n])
+    name = rng.choice(list(header))
+    field = rng.choice(["dtype", "shape", "data_offsets", None])
+    if field is None:
+        header[name] = rng.choice(ODD_VALUES)
+    elif isinstance(header[name], dict) and isinstance(values := header[name].get(field), list) and values:
+        values[rng.randrange(len(values))] = rng.choice(ODD_VALUES)
+    else:
+        header[name][field] = rng.choice(ODD_VALUES)
+    text = json.dumps(header).encode()
+    return len(text).to_bytes(8, "little") + text + data[8 + n :]
+
+
+def peak_rss_mb() -> float:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB on Linux
+
+
+def test_fuzzed_safetensors_loads_or_is_a_checkpoint_error(tmp_path):
+    original = save_tiny(tmp_path / "model.safetensors").read_bytes()
+    header_end = 8 + int.from_bytes(original[:8], "little")
+    load_weights(meta_model(), tmp_path / "model.safetensors", progress=False)  # the first load's one-time costs
+    rng, outcomes, other = random.Random(1234), Counter(), []
+    start, rss = time.perf_counter(), peak_rss_mb()
+    for i in range(200):
+        path = tmp_path / f"m{i}.safetensors"
+        path.write_bytes(mutate(original, rng, header_end) if i % 2 else retype(original, rng))
+        try:
+            load_weights(meta_model(), path, progress=False)
+            outcomes["loaded"] += 1
+        except CheckpointError:
+            outcomes["CheckpointError"] += 1
+        except Exception as e:
+            other.append(f"m{i}: {type(e).__name__}: {e}")
+        path.unlink()
+    print(dict(outcomes), f"{time.perf_counter() - start:.1f} s", f"+{peak_rss_mb() - rss:.0f} MB peak")
+    assert not other, other
+    assert outcomes["CheckpointError"] > 100
+    assert time.perf_counter() - start < 30 and peak_rss_mb() - rss < 200
