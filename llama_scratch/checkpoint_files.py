@@ -202,11 +202,7 @@ def find_checkpoint_files(path: str | Path) -> list[Path]:
         return [path]
     index = path if path.is_file() else path / "model.safetensors.index.json"
     if index.is_file():
-        try:
-            weight_map = json.loads(index.read_text())["weight_map"]
-        except (json.JSONDecodeError, KeyError, TypeError) as e:
-            raise CheckpointError(f"{index} is not a valid safetensors index (no readable weight_map: {e})") from None
-        files = [index.parent / name for name in dict.fromkeys(weight_map.values())]
+        files = [index.parent / name for name in _shard_names(index)]
         if missing := [f.name for f in files if not f.is_file()]:
             raise CheckpointError(f"{index} lists shard(s) missing from {index.parent}: {', '.join(missing)}")
         return files
@@ -218,3 +214,26 @@ def find_checkpoint_files(path: str | Path) -> list[Path]:
         f"no safetensors weights in {path} (expected model.safetensors or model.safetensors.index.json; "
         "Meta's original consolidated.*.pth format is not supported)"
     )
+
+
+# A shard is a plain file name next to the index: no folder part, so an index cannot point outside its checkpoint.
+_SHARD_NAME = re.compile(r"[^/\\:\x00]+\.safetensors")
+
+
+def _shard_names(index: Path) -> list[str]:
+    """The shard files an index lists, each once, in order; every entry checked before any shard is touched."""
+    if index.stat().st_size > MAX_HEADER_BYTES:
+        raise CheckpointError(f"{index} is not a valid safetensors index (over {MAX_HEADER_BYTES} bytes)")
+    try:
+        weight_map = json.loads(index.read_bytes())["weight_map"]
+    except (ValueError, RecursionError, KeyError, TypeError) as e:
+        raise CheckpointError(f"{index} is not a valid safetensors index (no readable weight_map: {e})") from None
+    if not isinstance(weight_map, dict):
+        raise CheckpointError(f"{index}: weight_map is a {type(weight_map).__name__}, not tensor name -> file name")
+    for tensor, name in weight_map.items():
+        if not isinstance(name, str) or not _SHARD_NAME.fullmatch(name) or ".." in name:
+            raise CheckpointError(
+                f"{index}: entry {tensor!r} -> {name!r:.200} is not a plain .safetensors file name "
+                f"(shards must sit in {index.parent} itself)"
+            )
+    return list(dict.fromkeys(weight_map.values()))

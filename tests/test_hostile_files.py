@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import random
 import resource
+import sys
 import time
 import tracemalloc
 from collections import Counter
@@ -18,12 +19,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from llama_scratch.checkpoint_files import CheckpointError, read_header
+from llama_scratch.checkpoint_files import CheckpointError, find_checkpoint_files, read_header
 from llama_scratch.config import LlamaConfig
 from llama_scratch.model import Llama
 from llama_scratch.weights import load_weights, save_weights
 
-# --- safetensors ---------------------------------------------------------------------------------------------
+# --- safetensors: the index -----------------------------------------------------------------------------------
 
 
 def tiny_config() -> LlamaConfig:
@@ -38,6 +39,61 @@ def meta_model() -> Llama:
 def save_tiny(path: Path) -> Path:
     torch.manual_seed(0)
     return save_weights(Llama(tiny_config()).state_dict(), path)
+
+
+_OPENED: list[str] | None = None  # while a list, every path Python opens is appended to it
+
+
+def _audit(event: str, args: tuple) -> None:
+    if _OPENED is not None and event == "open" and isinstance(args[0], str | Path):
+        _OPENED.append(str(args[0]))
+
+
+sys.addaudithook(_audit)  # audit hooks cannot be removed; this one does nothing outside `opened_paths`
+
+
+def opened_paths(call) -> tuple[list[str], BaseException | None]:
+    """Every file `call()` opened (through Python's audit hook for `open`), and what it raised."""
+    global _OPENED
+    _OPENED, raised = [], None
+    try:
+        call()
+    except Exception as e:
+        raised = e
+    finally:
+        opened, _OPENED = _OPENED, None
+    return opened, raised
+
+
+@pytest.mark.parametrize("where", ["../outside.safetensors", "ABSOLUTE", "sub/../../outside.safetensors"])
+def test_index_cannot_point_outside_the_checkpoint(tmp_path, where):
+    outside = save_tiny(tmp_path / "outside.safetensors")  # a valid file with every tensor: it would load
+    ckpt = tmp_path / "ckpt"
+    ckpt.mkdir()
+    name = str(outside) if where == "ABSOLUTE" else where
+    weight_map = {n: name for n in read_header(outside)}
+    (ckpt / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
+    opened, raised = opened_paths(lambda: load_weights(meta_model(), ckpt, progress=False))
+    assert isinstance(raised, CheckpointError), raised
+    assert "model.safetensors.index.json" in str(raised) and repr(name) in str(raised)
+    assert "is not a plain .safetensors file name" in str(raised)
+    assert not [p for p in opened if "outside" in p]
+
+
+@pytest.mark.parametrize(
+    ("index", "message"),
+    [
+        ({"weight_map": {"a": "sub\\x.safetensors"}}, r"'sub\\\\x.safetensors' is not a plain"),
+        ({"weight_map": {"a": "model.bin"}}, "'model.bin' is not a plain .safetensors file name"),
+        ({"weight_map": {"a": 5}}, "entry 'a' -> 5 is not a plain"),
+        ({"weight_map": {"a": ["x.safetensors"]}}, r"entry 'a' -> \['x.safetensors'\] is not a plain"),
+        ({"weight_map": ["x.safetensors"]}, "weight_map is a list, not tensor name -> file name"),
+    ],
+)
+def test_index_entries_must_be_file_names(tmp_path, index, message):
+    (tmp_path / "model.safetensors.index.json").write_text(json.dumps(index))
+    with pytest.raises(CheckpointError, match=message):
+        find_checkpoint_files(tmp_path)
 
 
 # --- safetensors: the header ----------------------------------------------------------------------------------
