@@ -10,17 +10,22 @@ from __future__ import annotations
 import json
 import random
 import resource
+import struct
+import subprocess
 import sys
 import time
 import tracemalloc
 from collections import Counter
 from pathlib import Path
 
+import gguf
+import numpy as np
 import pytest
 import torch
 
 from llama_scratch.checkpoint_files import CheckpointError, find_checkpoint_files, read_header
 from llama_scratch.config import LlamaConfig
+from llama_scratch.gguf import GGUFError, check_tensor_types, dequantize, open_gguf, read_metadata
 from llama_scratch.model import Llama
 from llama_scratch.weights import load_weights, save_weights
 
@@ -243,4 +248,154 @@ def test_fuzzed_safetensors_loads_or_is_a_checkpoint_error(tmp_path):
     print(dict(outcomes), f"{time.perf_counter() - start:.1f} s", f"+{peak_rss_mb() - rss:.0f} MB peak")
     assert not other, other
     assert outcomes["CheckpointError"] > 100
+    assert time.perf_counter() - start < 30 and peak_rss_mb() - rss < 200
+
+
+# --- GGUF -----------------------------------------------------------------------------------------------------
+
+
+def gguf_bytes(n_tensors: int = 0, n_kv: int = 0, body: bytes = b"", version: int = 3) -> bytes:
+    return b"GGUF" + struct.pack("<IQQ", version, n_tensors, n_kv) + body
+
+
+def gstr(text: str | bytes, length: int | None = None) -> bytes:
+    raw = text.encode() if isinstance(text, str) else text
+    return struct.pack("<Q", len(raw) if length is None else length) + raw
+
+
+def kv(key: str, value_type: int, value: bytes) -> bytes:
+    return gstr(key) + struct.pack("<I", value_type) + value
+
+
+def array(element_type: int, count: int, elements: bytes = b"") -> bytes:
+    return struct.pack("<IQ", element_type, count) + elements
+
+
+def tensor_info(name: str, dims: list[int], type_code: int = 0, offset: int = 0, n_dims: int | None = None) -> bytes:
+    n = len(dims) if n_dims is None else n_dims
+    return gstr(name) + struct.pack(f"<I{len(dims)}QIQ", n, *dims, type_code, offset)
+
+
+STRING, ARRAY, UINT8 = 8, 9, 0
+THE_BOMB = gguf_bytes(n_kv=1, body=kv("a", ARRAY, array(UINT8, 2**40)))
+
+HOSTILE_GGUF = {
+    "kv count 2^63": (gguf_bytes(n_kv=2**63), "9223372036854775808 key-value pairs"),
+    "tensor count 2^40": (gguf_bytes(n_tensors=2**40), "1099511627776 tensor infos"),
+    "key length 2^40": (gguf_bytes(n_kv=1, body=gstr(b"k" * 16, 2**40)), "the name of key-value pair 0"),
+    "string length 2^62": (gguf_bytes(n_kv=1, body=kv("s", STRING, gstr(b"x", 2**62))), "the value of s"),
+    "string array count 2^40": (gguf_bytes(n_kv=1, body=kv("t", ARRAY, array(STRING, 2**40))), "t's 1099511627776"),
+    "nested array count 2^40": (gguf_bytes(n_kv=1, body=kv("n", ARRAY, array(ARRAY, 2**40))), "n's 1099511627776"),
+    "array of 3 million": (
+        gguf_bytes(n_kv=1, body=kv("m", ARRAY, array(UINT8, 3_000_000, bytes(3_000_000)))),
+        "over 2097152 array elements",
+    ),
+    "unknown value type": (gguf_bytes(n_kv=1, body=kv("u", 99, b"")), "u has value type 99"),
+    "n_dims 2^31": (gguf_bytes(n_tensors=1, body=tensor_info("w", [4], n_dims=2**31)), "w has 2147483648 dim"),
+    "tensor past the end": (gguf_bytes(n_tensors=1, body=tensor_info("w", [2**40])), r"w \[1099511627776\] ends at"),
+    "unknown tensor type": (gguf_bytes(n_tensors=1, body=tensor_info("w", [4], 1234)), "w has type code 1234"),
+    "version 7": (gguf_bytes(version=7), "version 7"),
+    "value not UTF-8": (gguf_bytes(n_kv=1, body=kv("s", STRING, gstr(b"\xff\xfe"))), "the value of s is not UTF-8"),
+}
+
+
+@pytest.mark.parametrize(("data", "message"), HOSTILE_GGUF.values(), ids=HOSTILE_GGUF.keys())
+def test_hostile_gguf_is_a_gguf_error(tmp_path, data, message):
+    path = tmp_path / "x.gguf"
+    path.write_bytes(data)
+    start = time.perf_counter()
+    with pytest.raises(GGUFError, match=message) as err:
+        read_metadata(open_gguf(path))
+    assert str(path) in str(err.value) and time.perf_counter() - start < 1
+
+
+BOMB_SCRIPT = """
+import resource, sys, time
+from llama_scratch.gguf import GGUFError, open_gguf
+import gguf  # imported before measuring
+vm = int(next(line.split()[1] for line in open("/proc/self/status") if line.startswith("VmSize"))) * 1024
+resource.setrlimit(resource.RLIMIT_AS, (vm + 1_000_000_000, resource.RLIM_INFINITY))  # the old reader: MemoryError
+before, start = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss, time.perf_counter()
+try:
+    open_gguf(sys.argv[1])
+    print("opened")
+except GGUFError as e:
+    print("GGUFError", e)
+print(time.perf_counter() - start, (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before) / 1024)
+"""
+
+
+def test_gguf_bomb_fails_fast_in_little_memory(tmp_path):
+    """49 bytes whose one metadata array claims 2^40 elements: gguf.GGUFReader alone allocates until killed."""
+    path = tmp_path / "bomb.gguf"
+    path.write_bytes(THE_BOMB)
+    assert len(THE_BOMB) == 49
+    run = subprocess.run([sys.executable, "-c", BOMB_SCRIPT, str(path)], capture_output=True, text=True, timeout=120)
+    lines = run.stdout.splitlines()
+    assert run.returncode == 0 and lines[0].startswith("GGUFError"), run.stdout + run.stderr
+    assert "a's 1099511627776 elements (1 or more bytes each) needs 1099511627776 bytes but only 0 are left" in lines[0]
+    seconds, extra_mb = map(float, lines[1].split())
+    print(f"bomb: {seconds * 1000:.1f} ms, +{extra_mb:.1f} MB peak")
+    assert seconds < 1 and extra_mb < 100
+
+
+def write_small_gguf(path: Path, endianess=gguf.GGUFEndian.LITTLE) -> Path:
+    """A valid GGUF with every kind of value (scalars, strings, arrays of both) and two tensors (Q8_0, F32)."""
+    w = gguf.GGUFWriter(str(path), "llama", endianess=endianess)
+    w.add_block_count(1)
+    w.add_rope_freq_base(10_000.0)
+    w.add_bool("test.flag", True)
+    w.add_uint64("test.big", 2**40)
+    w.add_token_list([f"tok{i}" for i in range(40)])
+    w.add_token_types([1] * 40)
+    w.add_array("test.floats", [0.5, 1.5])
+    rng = np.random.default_rng(0)
+    embed = rng.standard_normal((8, 64)).astype(np.float32)
+    w.add_tensor("token_embd.weight", gguf.quants.quantize(embed, gguf.GGMLQuantizationType.Q8_0),
+                 raw_dtype=gguf.GGMLQuantizationType.Q8_0)  # fmt: skip
+    w.add_tensor("output_norm.weight", rng.standard_normal(64).astype(np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path
+
+
+def read_all(path: Path) -> None:
+    """What the converter reads before it writes anything: metadata, tensor types, every tensor's values."""
+    reader = open_gguf(path)
+    read_metadata(reader)
+    check_tensor_types(reader, str(path))
+    for t in reader.tensors:
+        dequantize(t)
+
+
+@pytest.mark.parametrize("endianess", [gguf.GGUFEndian.LITTLE, gguf.GGUFEndian.BIG], ids=["little", "big"])
+def test_small_gguf_reads(tmp_path, endianess):
+    path = write_small_gguf(tmp_path / "ok.gguf", endianess)
+    read_all(path)
+    meta = read_metadata(open_gguf(path))
+    assert meta["test.big"] == 2**40 and meta["tokenizer.ggml.tokens"][39] == "tok39"
+
+
+def test_fuzzed_gguf_reads_or_is_a_gguf_error(tmp_path):
+    original = write_small_gguf(tmp_path / "ok.gguf").read_bytes()
+    header_end = gguf.GGUFReader(tmp_path / "ok.gguf").data_offset
+    read_all(tmp_path / "ok.gguf")
+    rng, outcomes, other = random.Random(4321), Counter(), []
+    start, rss = time.perf_counter(), peak_rss_mb()
+    for i in range(200):
+        path = tmp_path / f"m{i}.gguf"
+        path.write_bytes(mutate(original, rng, header_end))
+        try:
+            read_all(path)
+            outcomes["read"] += 1
+        except GGUFError:
+            outcomes["GGUFError"] += 1
+        except Exception as e:
+            other.append(f"m{i}: {type(e).__name__}: {e}")
+        path.unlink()
+    print(dict(outcomes), f"{time.perf_counter() - start:.1f} s", f"+{peak_rss_mb() - rss:.0f} MB peak")
+    assert not other, other
+    assert outcomes["GGUFError"] > 100
     assert time.perf_counter() - start < 30 and peak_rss_mb() - rss < 200
