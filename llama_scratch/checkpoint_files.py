@@ -10,6 +10,7 @@ one table (`NAME_MAP`) translates both ways, for loading and for saving.
 from __future__ import annotations
 
 import json
+import math
 import re
 from dataclasses import dataclass
 from pathlib import Path
@@ -94,43 +95,102 @@ class TensorInfo:
     nbytes: int
 
 
+# safetensors' own limit on the JSON header; checked before the header is read, so a hostile length allocates nothing.
+MAX_HEADER_BYTES = 100_000_000
+
+
 def read_header(file: str | Path) -> dict[str, TensorInfo]:
     """Parse a safetensors header (8-byte little-endian length, then JSON) and check it against the file's size.
 
     We read the format ourselves instead of through `safetensors.safe_open`: safe_open memory-maps the whole file,
     and every page it touches stays in our resident memory until the file is closed, which would add a full shard
     to the peak when converting. Plain reads go through the page cache into the destination tensor and add nothing.
+    Every field is checked, so a damaged or hostile header is one CheckpointError naming the file and the tensor.
     """
     file = Path(file)
     size = file.stat().st_size
+    header, data_start = _read_json_header(file, size)
+    _check_metadata(file, header.pop("__metadata__", {}))
+    tensors = {name: _tensor_info(file, name, spec, data_start, size) for name, spec in header.items()}
+    _check_layout(file, tensors)
+    return tensors
+
+
+def _read_json_header(file: Path, size: int) -> tuple[dict, int]:
+    """The header as a dict and the byte where tensor data starts; the length is bounded before anything is read."""
     with open(file, "rb") as f:
         head = f.read(8)
         n = int.from_bytes(head, "little") if len(head) == 8 else -1
-        if not 0 < n <= size - 8:
+        if not 0 < n <= min(MAX_HEADER_BYTES, size - 8):
             why = f"header length {n}, file {size} bytes"
             raise CheckpointError(f"{file} is truncated or not a safetensors file ({why})")
         try:
-            header = json.loads(f.read(n))
-        except (UnicodeDecodeError, json.JSONDecodeError) as e:
+            header = json.loads(f.read(n), object_pairs_hook=_no_duplicate_keys)
+        except (ValueError, RecursionError) as e:  # bad UTF-8, bad JSON, a repeated name, absurd nesting
             raise CheckpointError(f"{file} is corrupt: its safetensors header is not valid JSON ({e})") from None
-    tensors = {}
-    for name, spec in header.items():
-        if name == "__metadata__":
-            continue
-        try:
-            dtype, shape, (begin, end) = _DTYPES[spec["dtype"]], tuple(spec["shape"]), spec["data_offsets"]
-        except (KeyError, TypeError, ValueError):
-            raise CheckpointError(f"{file} is corrupt or has an unsupported dtype: entry {name}: {spec}") from None
-        nbytes = dtype.itemsize * int(torch.Size(shape).numel())
-        if end - begin != nbytes:
-            raise CheckpointError(f"{file} is corrupt: {name} {list(shape)} {spec['dtype']} spans {end - begin} bytes")
-        if 8 + n + end > size:
-            raise CheckpointError(
-                f"{file} is truncated: {name} ends at byte {8 + n + end} but the file has {size} bytes "
-                "(an interrupted download or copy? fetch the file again)"
-            )
-        tensors[name] = TensorInfo(name, file, dtype, shape, 8 + n + begin, nbytes)
-    return tensors
+    if not isinstance(header, dict):
+        raise CheckpointError(f"{file} is corrupt: its header is a JSON {type(header).__name__}, not an object")
+    return header, 8 + n
+
+
+def _no_duplicate_keys(pairs: list[tuple[str, object]]) -> dict:
+    """json.loads keeps the last of two equal keys silently; a header naming a tensor twice is corrupt."""
+    out = {}
+    for key, value in pairs:
+        if key in out:
+            raise ValueError(f"{key!r} appears twice")
+        out[key] = value
+    return out
+
+
+def _check_metadata(file: Path, metadata: object) -> None:
+    """`__metadata__` is free text for the writer, but safetensors allows only strings in it."""
+    if not isinstance(metadata, dict) or not all(isinstance(v, str) for v in metadata.values()):
+        raise CheckpointError(f"{file} is corrupt: __metadata__ must map strings to strings, found {metadata!r:.200}")
+
+
+def _is_count(value: object) -> bool:
+    """A JSON integer >= 0 (bool is an int subclass in Python, and true/false are not sizes)."""
+    return type(value) is int and value >= 0
+
+
+def _tensor_info(file: Path, name: str, spec: object, data_start: int, size: int) -> TensorInfo:
+    """One header entry checked field by field: dtype we know, a shape of sizes, a byte range that fits them."""
+
+    def bad(why: str) -> CheckpointError:
+        return CheckpointError(f"{file} is corrupt: tensor {name!r}: {why}")
+
+    if not isinstance(spec, dict):
+        raise bad(f"entry is {spec!r:.200}, not an object with dtype, shape and data_offsets")
+    dtype_name, shape, offsets = spec.get("dtype"), spec.get("shape"), spec.get("data_offsets")
+    if not isinstance(dtype_name, str) or dtype_name not in _DTYPES:
+        raise bad(f"dtype {dtype_name!r:.100} is not one of {', '.join(_DTYPES)}")
+    if not isinstance(shape, list) or not all(_is_count(d) and d <= size for d in shape):
+        raise bad(f"shape {shape!r:.200} is not a list of sizes (whole numbers from 0 to the file's size)")
+    if not (isinstance(offsets, list) and len(offsets) == 2 and all(map(_is_count, offsets))):
+        raise bad(f"data_offsets {offsets!r:.200} is not a pair of byte offsets [begin, end]")
+    begin, end = offsets
+    if begin > end:
+        raise bad(f"data_offsets {offsets} end before they begin")
+    dtype = _DTYPES[dtype_name]
+    nbytes = dtype.itemsize * math.prod(shape)
+    if end - begin != nbytes:
+        raise bad(f"{shape} {dtype_name} needs {nbytes} bytes, data_offsets {offsets} span {end - begin}")
+    if data_start + end > size:
+        raise CheckpointError(
+            f"{file} is truncated: {name} ends at byte {data_start + end} but the file has {size} bytes "
+            "(an interrupted download or copy? fetch the file again)"
+        )
+    return TensorInfo(name, file, dtype, tuple(shape), data_start + begin, nbytes)
+
+
+def _check_layout(file: Path, tensors: dict[str, TensorInfo]) -> None:
+    """No two tensors share bytes: writing one parameter in place must never change another."""
+    previous = None
+    for e in sorted(tensors.values(), key=lambda e: (e.offset, e.nbytes)):
+        if previous is not None and e.offset < previous.offset + previous.nbytes:
+            raise CheckpointError(f"{file} is corrupt: tensors {previous.name!r} and {e.name!r} overlap")
+        previous = e
 
 
 def find_checkpoint_files(path: str | Path) -> list[Path]:
@@ -142,11 +202,7 @@ def find_checkpoint_files(path: str | Path) -> list[Path]:
         return [path]
     index = path if path.is_file() else path / "model.safetensors.index.json"
     if index.is_file():
-        try:
-            weight_map = json.loads(index.read_text())["weight_map"]
-        except (json.JSONDecodeError, KeyError, TypeError) as e:
-            raise CheckpointError(f"{index} is not a valid safetensors index (no readable weight_map: {e})") from None
-        files = [index.parent / name for name in dict.fromkeys(weight_map.values())]
+        files = [index.parent / name for name in _shard_names(index)]
         if missing := [f.name for f in files if not f.is_file()]:
             raise CheckpointError(f"{index} lists shard(s) missing from {index.parent}: {', '.join(missing)}")
         return files
@@ -158,3 +214,26 @@ def find_checkpoint_files(path: str | Path) -> list[Path]:
         f"no safetensors weights in {path} (expected model.safetensors or model.safetensors.index.json; "
         "Meta's original consolidated.*.pth format is not supported)"
     )
+
+
+# A shard is a plain file name next to the index: no folder part, so an index cannot point outside its checkpoint.
+_SHARD_NAME = re.compile(r"[^/\\:\x00]+\.safetensors")
+
+
+def _shard_names(index: Path) -> list[str]:
+    """The shard files an index lists, each once, in order; every entry checked before any shard is touched."""
+    if index.stat().st_size > MAX_HEADER_BYTES:
+        raise CheckpointError(f"{index} is not a valid safetensors index (over {MAX_HEADER_BYTES} bytes)")
+    try:
+        weight_map = json.loads(index.read_bytes())["weight_map"]
+    except (ValueError, RecursionError, KeyError, TypeError) as e:
+        raise CheckpointError(f"{index} is not a valid safetensors index (no readable weight_map: {e})") from None
+    if not isinstance(weight_map, dict):
+        raise CheckpointError(f"{index}: weight_map is a {type(weight_map).__name__}, not tensor name -> file name")
+    for tensor, name in weight_map.items():
+        if not isinstance(name, str) or not _SHARD_NAME.fullmatch(name) or ".." in name:
+            raise CheckpointError(
+                f"{index}: entry {tensor!r} -> {name!r:.200} is not a plain .safetensors file name "
+                f"(shards must sit in {index.parent} itself)"
+            )
+    return list(dict.fromkeys(weight_map.values()))

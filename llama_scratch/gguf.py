@@ -26,12 +26,9 @@ from tqdm import tqdm
 
 from .bpe import hf_tokenizer_files
 from .config import LlamaConfig, RopeScaling
+from .gguf_check import GGUFError, check_gguf
 from .model import rope_frequencies
 from .weights import save_checkpoint
-
-
-class GGUFError(ValueError):
-    """A GGUF file this converter cannot import (architecture, tensor type, tokenizer, damaged file)."""
 
 
 def _gguf_package():
@@ -75,15 +72,19 @@ def read_metadata(reader) -> dict:
 
 
 def open_gguf(path: str | Path):
-    """A `gguf.GGUFReader` on `path` (memory-mapped: tensors are read only when used)."""
+    """A `gguf.GGUFReader` on `path` (memory-mapped: tensors are read only when used), after `check_gguf` has
+    walked the file's structure: the reader trusts every count in the file, so it only sees files that fit."""
     gguf = _gguf_package()
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"GGUF file not found: {path}")
     try:
+        check_gguf(path)
         return gguf.GGUFReader(path)
-    except (ValueError, OSError, KeyError) as e:  # bad magic, truncated file, unknown type code, ...
-        raise GGUFError(f"{path}: cannot read as GGUF: {e}") from None
+    except GGUFError:
+        raise
+    except Exception as e:  # the reader was not written for damaged files: any failure in it means one
+        raise GGUFError(f"{path}: cannot read as GGUF: {type(e).__name__}: {e}") from None
 
 
 def config_from_gguf(meta: dict, tensor_names: set[str], source: str = "GGUF") -> LlamaConfig:

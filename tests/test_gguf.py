@@ -11,6 +11,7 @@ import functools
 import json
 import math
 import re
+import time
 from pathlib import Path
 
 import gguf
@@ -35,6 +36,7 @@ from llama_scratch.bpe import (
 from llama_scratch.config import RopeScaling
 from llama_scratch.convert_gguf import main as convert_main
 from llama_scratch.gguf import GGUFError, convert_gguf, unpermute_rows
+from llama_scratch.gguf_check import check_gguf
 from llama_scratch.tokenizer import default_model_path, llama3_special_tokens, read_tiktoken_bpe
 from llama_scratch.weights import load_model
 
@@ -433,3 +435,11 @@ def test_converted_checkpoint_loads_in_transformers(smollm2_dir, smollm2_tokeniz
         torch.testing.assert_close(ours(ids), hf_model(ids).logits, rtol=0, atol=1e-3)
     for text in sms_texts()[:500] + EDGE_CASES:
         assert smollm2_tokenizer.encode(text, allow_special=True) == hf_tok.encode(text, add_special_tokens=False)
+
+
+def test_smollm2_passes_the_structure_check_quickly(smollm2_gguf_file):
+    """The walk that guards gguf.GGUFReader against hostile counts accepts the real file (49152 tokens, 272
+    tensors) and costs little next to reading it."""
+    start = time.perf_counter()
+    check_gguf(smollm2_gguf_file)
+    assert time.perf_counter() - start < 5
