@@ -15,9 +15,7 @@ from __future__ import annotations
 
 import importlib.metadata
 import json
-import os
 import re
-import shutil
 from pathlib import Path
 
 import numpy as np
@@ -187,15 +185,17 @@ def convert_gguf(
     dtype: torch.dtype = torch.float32,
     progress: bool = True,
     note: str = "",
+    force: bool = False,
 ) -> Path:
-    """Convert a Llama GGUF file into a checkpoint directory: config.json, model.safetensors, tokenizer.json,
-    tokenizer_config.json and SOURCE.md. Returns `out_dir`.
+    """Convert a Llama GGUF file into a checkpoint directory (config.json, model.safetensors, tokenizer.json,
+    tokenizer_config.json, and SOURCE.md with `note` added, e.g. where the file came from); return `out_dir`.
 
-    float32 (the default) holds every dequantized value exactly; bfloat16 halves the size for big models at the
-    cost of rounding. The directory appears complete or not at all: it is built under a temporary name, then
-    renamed; an existing `out_dir` is replaced. `note` is added to SOURCE.md (e.g. where the file came from).
-    """
+    float32 (the default) holds every dequantized value exactly; bfloat16 halves the size at the cost of rounding.
+    Built beside `out_dir`, swapped in whole; the old `out_dir` goes only if `download.replaceable(out_dir, force)`."""
+    from .download import check_target, replace_checkpoint
+
     gguf_path, out_dir = Path(gguf_path), Path(out_dir)
+    check_target(out_dir, force)  # refuse before the slow part, not after it
     source = str(gguf_path)
     reader = open_gguf(gguf_path)
     meta = read_metadata(reader)
@@ -224,10 +224,7 @@ def convert_gguf(
         state[our_name(name)] = weight.to(dtype)
     _check_shapes(state, cfg, source)
 
-    out_dir.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out_dir.with_name(f".{out_dir.name}.{os.getpid()}.tmp")
-    shutil.rmtree(tmp, ignore_errors=True)
-    try:
+    def build(tmp: Path) -> None:
         save_checkpoint(state, cfg, tmp, max_shard_bytes=5 * 2**30)  # shards of 5 GiB, as the hub uses
         # Token ids transformers' generate() and pipelines look for; our own reader ignores them.
         hf_config = json.loads((tmp / "config.json").read_text())
@@ -237,13 +234,9 @@ def convert_gguf(
         (tmp / "config.json").write_text(json.dumps(hf_config, indent=2) + "\n")
         (tmp / "tokenizer.json").write_text(json.dumps(tokenizer_json, ensure_ascii=False), encoding="utf-8")
         (tmp / "tokenizer_config.json").write_text(json.dumps(tokenizer_config, indent=2, ensure_ascii=False) + "\n")
-        (tmp / "SOURCE.md").write_text(_source_note(gguf_path, meta, reader, dtype, note))
-        if out_dir.exists():
-            shutil.rmtree(out_dir)
-        os.replace(tmp, out_dir)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-    return out_dir
+        (tmp / "SOURCE.md").write_text(_source_note(gguf_path, meta, reader, dtype, note), encoding="utf-8")
+
+    return replace_checkpoint(out_dir, build, force)
 
 
 def _check_shapes(state: dict[str, torch.Tensor], cfg: LlamaConfig, source: str) -> None:
