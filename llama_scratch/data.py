@@ -66,6 +66,7 @@ class LabelledTexts:
     source: str
     rows: list[int] = field(default_factory=list)
     skipped: list[BadRow] = field(default_factory=list)
+    columns: str = ""  # where the texts and labels came from, e.g. "text 'review', label 'stars' (header row)"
 
     def __post_init__(self) -> None:
         if len(self.texts) != len(self.labels) or (self.rows and len(self.rows) != len(self.texts)):
@@ -95,9 +96,13 @@ class LabelledTexts:
         )
 
     def describe(self) -> str:
-        """One line for logs, e.g. `sms_spam: 5,574 rows; ham 4,827, spam 747; 0 bad rows skipped`."""
+        """One line for logs, e.g. `sms_spam: 5,574 rows; ham 4,827, spam 747; 0 bad rows skipped`.
+
+        A user's file adds the columns read, e.g. `; text 'review', label 'stars' (header row)`: they were guessed.
+        """
         classes = ", ".join(f"{name} {n:,}" for name, n in self.class_counts().items())
-        return f"{self.source}: {len(self):,} rows; {classes}; {len(self.skipped):,} bad rows skipped"
+        columns = f"; {self.columns}" if self.columns else ""
+        return f"{self.source}: {len(self):,} rows; {classes}; {len(self.skipped):,} bad rows skipped{columns}"
 
     def fingerprint(self) -> str:
         """A digest of the texts, labels and label names: an edited data file, or other columns, changes it."""
@@ -179,7 +184,8 @@ def load_dataset(
         table = list(tsv_rows(text))
     else:
         table = txt_rows(text, path)
-    return _build(*_read_table(table, path, text_column, label_column, header), path)
+    items, skipped, columns = _read_table(table, path, text_column, label_column, header)
+    return _build(items, skipped, path, columns)
 
 
 def _find_column(cells: list[str], name: str) -> int | None:
@@ -199,7 +205,7 @@ def _read_table(
     text_column: str | None,
     label_column: str | None,
     header: bool | None,
-) -> tuple[list[tuple[int, str, str]], list[BadRow]]:
+) -> tuple[list[tuple[int, str, str]], list[BadRow], str]:
     """Find the header row and the text and label columns, then turn rows into (line, text, label) items or bad rows."""
     if not table:
         raise DataError(f"{path}: the file has no rows")
@@ -228,7 +234,9 @@ def _read_table(
             skipped.append(BadRow(line, f"expected {width} columns, found {len(cells)}"))
         else:
             _check_item(line, cells[ti], cells[li].strip(), items, skipped)
-    return items, skipped
+    what = "header row" if where.header else "no header row"
+    columns = f"text {where.name(ti)}, label {where.name(li)} ({what})"
+    return items, skipped, columns
 
 
 def _given_column(where: Table, name: str | None, width: int) -> int | None:
@@ -321,7 +329,7 @@ def _check_class_count(names: list[str], rows: int, path: Path) -> None:
     )
 
 
-def _build(items: list[tuple[int, str, str]], skipped: list[BadRow], path: Path) -> LabelledTexts:
+def _build(items: list[tuple[int, str, str]], skipped: list[BadRow], path: Path, columns: str = "") -> LabelledTexts:
     """Number the classes, refuse data that cannot train a classifier, and warn about skipped rows."""
     data = LabelledTexts([], [], [], source=str(path), skipped=skipped)
     if not items:
@@ -342,6 +350,7 @@ def _build(items: list[tuple[int, str, str]], skipped: list[BadRow], path: Path)
         source=str(path),
         rows=[line for line, _, _ in items],
         skipped=skipped,
+        columns=columns,
     )
     if skipped:
         warnings.warn(f"{path}: skipped {len(skipped):,} bad rows: {data.skipped_report()}", DataWarning, 3)

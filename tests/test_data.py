@@ -293,6 +293,7 @@ def test_unnamed_header_is_found_by_content(tmp_path):
     data = load_dataset(write(tmp_path, "f.csv", as_csv([["feedback", "rating"], *rows])))
     assert data.class_counts() == {"neg": 30, "pos": 30} and data.skipped == []
     assert data.texts == [r[0] for r in rows] and data.rows[0] == 2
+    assert "text 'feedback', label 'rating' (header row)" in data.describe()
 
 
 def test_three_columns_are_told_apart_by_content(tmp_path):
@@ -301,8 +302,10 @@ def test_three_columns_are_told_apart_by_content(tmp_path):
     rows = [[str(1000 + i), feedback(i), buckets[i % 3]] for i in range(60)]
     named = load_dataset(write(tmp_path, "n.csv", as_csv([["id", "customer_feedback", "stars_bucket"], *rows])))
     assert named.texts == [r[1] for r in rows] and named.label_names == buckets and named.rows[0] == 2
+    assert "text 'customer_feedback', label 'stars_bucket' (header row)" in named.describe()
     bare = load_dataset(write(tmp_path, "b.csv", as_csv(rows)))
     assert bare.texts == named.texts and bare.labels == named.labels and bare.rows[0] == 1
+    assert "text column 1, label column 2 (no header row)" in bare.describe()
     moved = load_dataset(write(tmp_path, "m.tsv", "".join(f"{r[2]}\t{r[0]}\t{r[1]}\n" for r in rows)))
     assert moved.texts == named.texts and moved.labels == named.labels
 
