@@ -17,7 +17,20 @@ from dataclasses import dataclass, field
 from importlib import resources
 from pathlib import Path
 
-from .data_files import UNDECODABLE, DataError, csv_rows, decode, jsonl_objects, tsv_rows, txt_rows
+from .data_files import (
+    COLUMN_SAMPLE,
+    UNDECODABLE,
+    Column,
+    DataError,
+    Table,
+    csv_rows,
+    decode,
+    guess_columns,
+    jsonl_objects,
+    looks_like_header,
+    tsv_rows,
+    txt_rows,
+)
 
 BUNDLED = ("sms_spam",)
 TEXT_NAMES = ("text", "sentence", "message", "content", "body", "review", "document", "comment", "tweet", "sms")
@@ -53,6 +66,7 @@ class LabelledTexts:
     source: str
     rows: list[int] = field(default_factory=list)
     skipped: list[BadRow] = field(default_factory=list)
+    columns: str = ""  # where the texts and labels came from, e.g. "text 'review', label 'stars' (header row)"
 
     def __post_init__(self) -> None:
         if len(self.texts) != len(self.labels) or (self.rows and len(self.rows) != len(self.texts)):
@@ -82,9 +96,13 @@ class LabelledTexts:
         )
 
     def describe(self) -> str:
-        """One line for logs, e.g. `sms_spam: 5,574 rows; ham 4,827, spam 747; 0 bad rows skipped`."""
+        """One line for logs, e.g. `sms_spam: 5,574 rows; ham 4,827, spam 747; 0 bad rows skipped`.
+
+        A user's file adds the columns read, e.g. `; text 'review', label 'stars' (header row)`: they were guessed.
+        """
         classes = ", ".join(f"{name} {n:,}" for name, n in self.class_counts().items())
-        return f"{self.source}: {len(self):,} rows; {classes}; {len(self.skipped):,} bad rows skipped"
+        columns = f"; {self.columns}" if self.columns else ""
+        return f"{self.source}: {len(self):,} rows; {classes}; {len(self.skipped):,} bad rows skipped{columns}"
 
     def fingerprint(self) -> str:
         """A digest of the texts, labels and label names: an edited data file, or other columns, changes it."""
@@ -128,16 +146,22 @@ def load_sms_spam() -> LabelledTexts:
 
 
 def load_dataset(
-    name_or_path: str | Path, text_column: str | None = None, label_column: str | None = None
+    name_or_path: str | Path,
+    text_column: str | None = None,
+    label_column: str | None = None,
+    header: bool | None = None,
 ) -> LabelledTexts:
     """A bundled dataset by name (`sms_spam`) or a `.csv`, `.tsv`, `.txt` or `.jsonl` file.
 
     CSV follows RFC 4180 quoting. TSV is split on TABs with no quoting (like the bundled file: a quote is just a
     character). A `.txt` file is read as TSV when its first 100 rows have the same number of TABs, else as CSV when
     they have the same number of comma-separated fields (UCI's sentiment sets are `sentence<TAB>label` .txt files).
-    Any of these may have a header row, recognised by a column named like `text`/`sentence`/`message` or
-    `label`/`class`/`category`/`target` (or by `text_column`/`label_column`); without one, a two-column file's
-    label column is the one with few distinct values, and `text_column`/`label_column` may be 0-based numbers.
+    Any of these may have a header row: one naming a column like `text`/`sentence`/`message` or `label`/`class`/
+    `category`/`target` (or `text_column`/`label_column`), or one whose cells are unlike the rest of their columns
+    (`rating` atop pos/neg/pos, `id` atop numbers, `feedback` atop long texts); `header` True or False says so
+    instead. Columns not named are told apart by their values: the label has few distinct values, the text the
+    longest ones, and an id column (every value distinct) is neither. `text_column`/`label_column` may also be
+    0-based column numbers.
     JSONL lines are objects with `text` and `label` keys (or the given ones). Labels are strings or integers;
     class ids follow the sorted label names (numerically when all are integers). Files may start with a UTF-8 BOM
     and use CRLF line ends. Bad rows are skipped and reported with a `DataWarning`.
@@ -160,7 +184,8 @@ def load_dataset(
         table = list(tsv_rows(text))
     else:
         table = txt_rows(text, path)
-    return _build(*_read_table(table, path, text_column, label_column), path)
+    items, skipped, columns = _read_table(table, path, text_column, label_column, header)
+    return _build(items, skipped, path, columns)
 
 
 def _find_column(cells: list[str], name: str) -> int | None:
@@ -175,62 +200,59 @@ def _first_known(cells: list[str], names: Sequence[str]) -> int | None:
 
 
 def _read_table(
-    table: list[tuple[int, list[str]]], path: Path, text_column: str | None, label_column: str | None
-) -> tuple[list[tuple[int, str, str]], list[BadRow]]:
-    """Pick the text and label columns, then turn rows into (line, text, label) items or bad rows."""
+    table: list[tuple[int, list[str]]],
+    path: Path,
+    text_column: str | None,
+    label_column: str | None,
+    header: bool | None,
+) -> tuple[list[tuple[int, str, str]], list[BadRow], str]:
+    """Find the header row and the text and label columns, then turn rows into (line, text, label) items or bad rows."""
     if not table:
         raise DataError(f"{path}: the file has no rows")
-    ask = "pass --text-column and --label-column"
-    header = table[0][1]
-    given = [c for c in (text_column, label_column) if c is not None]
-    known_text, known_label = _first_known(header, TEXT_NAMES), _first_known(header, LABEL_NAMES)
-    has_header = known_text is not None or known_label is not None
-    has_header = has_header or any(_find_column(header, c) is not None for c in given)
-    if has_header:
-        width, body = len(header), table[1:]
-        ti = _find_column(header, text_column) if text_column is not None else known_text
-        li = _find_column(header, label_column) if label_column is not None else known_label
-        for name, index in ((text_column, ti), (label_column, li)):
-            if name is not None and index is None:
-                raise DataError(f"{path}: no column {name!r} in the header {header}")
-        if width == 2 and (ti is None) != (li is None):
-            ti, li = (1 - li, li) if ti is None else (ti, 1 - ti)
-        if ti is None or li is None or ti == li:
-            raise DataError(f"{path}: cannot tell the text and label columns apart in the header {header}; {ask}")
+    first = table[0][1]
+    named = any(_find_column(first, c) is not None for c in (text_column, label_column) if c is not None)
+    if header is None:
+        known = _first_known(first, TEXT_NAMES) is not None or _first_known(first, LABEL_NAMES) is not None
+        found = known or (not named and looks_like_header(table))
+        where = Table(path, first, named or found, detected=found)
     else:
-        width = Counter(len(cells) for _, cells in table).most_common(1)[0][0]
-        body = table
-        if given:
-            numbers = [int(c) for c in given if _INTEGER.fullmatch(c.strip()) and 0 <= int(c) < width]
-            if len(numbers) < 2 or numbers[0] == numbers[1]:
-                raise DataError(
-                    f"{path}: no header row (first row: {header}); {ask} as header names, "
-                    f"or both as 0-based column numbers below {width}"
-                )
-            ti, li = numbers
-        elif width != 2:
-            raise DataError(f"{path}: no header row and {width} columns; {ask}")
-        else:
-            ti, li = _guess_columns([cells for _, cells in table if len(cells) == 2], path, ask)
+        where = Table(path, first, header, detected=False)
+    body = table[1:] if where.header else table
+    width = len(first) if where.header else Counter(len(cells) for _, cells in table).most_common(1)[0][0]
+    ti, li = (_given_column(where, c, width) for c in (text_column, label_column))
+    if where.header:
+        ti = _first_known(first, TEXT_NAMES) if text_column is None else ti
+        li = _first_known(first, LABEL_NAMES) if label_column is None else li
+    if ti is None or li is None:
+        rows = [cells for _, cells in body[:COLUMN_SAMPLE] if len(cells) == width]
+        ti, li = guess_columns(where, [Column.of(rows, j) for j in range(width)], ti, li)
+    if ti == li:
+        raise where.unclear(f"the text and the label are both {where.name(ti)}")
     items, skipped = [], []
     for line, cells in body:
         if len(cells) != width:
             skipped.append(BadRow(line, f"expected {width} columns, found {len(cells)}"))
         else:
             _check_item(line, cells[ti], cells[li].strip(), items, skipped)
-    return items, skipped
+    what = "header row" if where.header else "no header row"
+    columns = f"text {where.name(ti)}, label {where.name(li)} ({what})"
+    return items, skipped, columns
 
 
-def _guess_columns(rows: list[list[str]], path: Path, ask: str) -> tuple[int, int]:
-    """In a headerless two-column file, the label column has at most half as many distinct values as the text."""
-    distinct = [len({r[i].strip() for r in rows}) for i in (0, 1)]
-    label = int(distinct[1] < distinct[0])
-    if 2 * distinct[label] > distinct[1 - label]:
-        raise DataError(
-            f"{path}: no header row, and the columns have {distinct[0]} and {distinct[1]} distinct values, "
-            f"so neither is clearly the label; {ask} (0-based column numbers)"
-        )
-    return 1 - label, label
+def _given_column(where: Table, name: str | None, width: int) -> int | None:
+    """The column a --text-column or --label-column names: a header cell, else a 0-based column number."""
+    if name is None:
+        return None
+    if where.header and (index := _find_column(where.first, name)) is not None:
+        return index
+    if _INTEGER.fullmatch(name.strip()) and 0 <= int(name) < width:
+        return int(name)
+    if where.header:
+        raise DataError(f"{where.path}: no column {name!r} in the header {where.first}")
+    raise DataError(
+        f"{where.path}: no header row (first row: {where.first}) and no column {name!r}; pass --text-column and "
+        f"--label-column as header names, or as 0-based column numbers below {width}"
+    )
 
 
 def _read_jsonl(
@@ -307,7 +329,7 @@ def _check_class_count(names: list[str], rows: int, path: Path) -> None:
     )
 
 
-def _build(items: list[tuple[int, str, str]], skipped: list[BadRow], path: Path) -> LabelledTexts:
+def _build(items: list[tuple[int, str, str]], skipped: list[BadRow], path: Path, columns: str = "") -> LabelledTexts:
     """Number the classes, refuse data that cannot train a classifier, and warn about skipped rows."""
     data = LabelledTexts([], [], [], source=str(path), skipped=skipped)
     if not items:
@@ -328,6 +350,7 @@ def _build(items: list[tuple[int, str, str]], skipped: list[BadRow], path: Path)
         source=str(path),
         rows=[line for line, _, _ in items],
         skipped=skipped,
+        columns=columns,
     )
     if skipped:
         warnings.warn(f"{path}: skipped {len(skipped):,} bad rows: {data.skipped_report()}", DataWarning, 3)

@@ -1,6 +1,8 @@
 """A data file's bytes as rows: the encoding checked, then CSV records, TSV or .txt lines, or JSONL objects.
 
-`data.load_dataset` decides which cells are the text and the label; this module knows only the file formats.
+`data.load_dataset` decides which cells are the text and the label. This module knows the file formats, and how
+to tell columns apart by their cells (`Column`): whether the first row is a header (`looks_like_header`), and
+which unnamed column is the text and which the label (`guess_columns`).
 `DataError` lives here so the readers can raise it; import it from `llama_scratch.data`.
 """
 
@@ -14,6 +16,7 @@ import re
 import sys
 from collections.abc import Iterator
 from contextlib import closing
+from dataclasses import dataclass
 from itertools import islice
 from pathlib import Path
 
@@ -23,6 +26,11 @@ BYTE_ORDER_MARKS = (  # UTF-32 first: its little-endian mark starts with UTF-16'
     ("UTF-16", (codecs.BOM_UTF16_LE, codecs.BOM_UTF16_BE)),
 )
 TXT_SAMPLE = 100  # the first rows of a .txt file that must agree on its delimiter
+COLUMN_SAMPLE = 1000  # the rows that header detection and column guessing look at
+GUESSED_CLASSES = 100  # a label column found by its values has at most this many; more must be named
+MAX_ID_LENGTH = 40  # an id is a number or one token this long at most (a UUID has 36 characters)
+NUMBER = re.compile(r"[+-]?(\d+\.?\d*|\.\d+)([eE][+-]?\d+)?")
+NAME = re.compile(r"\w+([ _.-]\w+){0,2}")  # a column name: up to three words, like `stars`, `customer_feedback`
 
 
 class DataError(ValueError):
@@ -119,3 +127,114 @@ def jsonl_objects(text: str, path: Path) -> Iterator[tuple[int, dict | None, str
             yield number, obj, ""
         else:
             yield number, None, f"not a JSON object but {type(obj).__name__}"
+
+
+@dataclass
+class Column:
+    """A column's non-empty cells, stripped and summarised: enough to tell a header cell, an id, a label or a text."""
+
+    values: set[str]
+    rows: int  # non-empty cells
+    numeric: bool
+    length: int  # the median length of its cells
+
+    @classmethod
+    def of(cls, rows: list[list[str]], index: int) -> Column:
+        cells = [cell for row in rows if (cell := row[index].strip())]
+        lengths = sorted(len(cell) for cell in cells)
+        numeric = bool(cells) and all(NUMBER.fullmatch(cell) for cell in cells)
+        return cls(set(cells), len(cells), numeric, lengths[len(lengths) // 2] if cells else 0)
+
+    @property
+    def repeats(self) -> bool:
+        """At most half as many distinct values as cells: a label column, or some other category."""
+        return 0 < 2 * len(self.values) <= self.rows
+
+    @property
+    def is_id(self) -> bool:
+        """Every value distinct, and each a number or one short token: a row id, never the text or the label."""
+        if self.rows < 2 or len(self.values) < self.rows:
+            return False
+        return self.numeric or all(len(v) <= MAX_ID_LENGTH and len(v.split()) == 1 for v in self.values)
+
+    def vote(self, cell: str) -> int:
+        """+1 if `cell`, atop this column, looks like its name; -1 if it looks like one more value; 0 if unclear."""
+        cell = cell.strip()
+        if not cell or not self.values:
+            return 0
+        if self.numeric:
+            return -1 if NUMBER.fullmatch(cell) else 1  # `id` atop 1, 2, 3
+        if self.repeats:
+            return -1 if cell in self.values else 1  # `rating` atop pos, neg, pos
+        if len(cell.split()) >= 4:
+            return -1  # a sentence is a text, not a name
+        return 1 if NAME.fullmatch(cell) and 2 * len(cell) <= self.length else 0  # `feedback` atop long texts
+
+
+def looks_like_header(table: list[tuple[int, list[str]]]) -> bool:
+    """Whether the first row names the columns: one of its cells is unlike the rest of its column, and none alike."""
+    first = table[0][1]
+    rest = [cells for _, cells in table[1 : COLUMN_SAMPLE + 1] if len(cells) == len(first)]
+    votes = {Column.of(rest, j).vote(cell) for j, cell in enumerate(first)}
+    return 1 in votes and -1 not in votes
+
+
+@dataclass
+class Table:
+    """A table's first row and whether it is a header: what column choices and their error messages refer to."""
+
+    path: Path
+    first: list[str]
+    header: bool
+    detected: bool  # the header was recognised, not forced: --no-header may be the way out
+
+    def name(self, index: int) -> str:
+        return repr(self.first[index]) if self.header else f"column {index}"
+
+    def unclear(self, why: str) -> DataError:
+        cells = [c if len(c) <= 30 else c[:27] + "..." for c in self.first]
+        seen = f"header {cells}" if self.header else f"no header row; first row {cells}"
+        ways = "header names or 0-based numbers" if self.header else "0-based column numbers, or header names"
+        no_header = ", or --no-header if the first row is data" if self.detected else ""
+        return DataError(f"{self.path}: {why} ({seen}); pass --text-column and --label-column ({ways}){no_header}")
+
+
+def guess_columns(where: Table, columns: list[Column], ti: int | None, li: int | None) -> tuple[int, int]:
+    """The text and label columns not named, told apart by their values.
+
+    Of two columns, the label has at most half as many distinct values as the text. In a wider table, ids (every
+    value distinct) are set aside; the label is the one column with few distinct values (repeats, at most
+    GUESSED_CLASSES), the text the column with the longest values, at least twice as long as any other's.
+    """
+    if len(columns) < 2:
+        raise where.unclear("one column only; a text and a label need two")
+    if len(columns) == 2:
+        if ti is not None or li is not None:
+            return (1 - li, li) if ti is None else (ti, 1 - ti)
+        distinct = [len(c.values) for c in columns]
+        label = int(distinct[1] < distinct[0])
+        if 2 * distinct[label] > distinct[1 - label]:
+            why = f"the columns have {distinct[0]} and {distinct[1]} distinct values, so neither is clearly the label"
+            raise where.unclear(why)
+        return 1 - label, label
+    free = [j for j, c in enumerate(columns) if j not in (ti, li) and not c.is_id]
+    labels = [j for j in free if columns[j].repeats and len(columns[j].values) <= GUESSED_CLASSES]
+    if li is None:
+        if len(labels) != 1:
+            raise where.unclear(_which("label", "few distinct values", where, labels))
+        li = labels[0]
+    texts = sorted((j for j in free if j != li and j not in labels), key=lambda j: -columns[j].length)
+    if ti is None:
+        if not texts or (len(texts) > 1 and 2 * columns[texts[1]].length >= columns[texts[0]].length):
+            raise where.unclear(_which("text", "long values", where, sorted(texts[:2])))
+        ti = texts[0]
+    return ti, li
+
+
+def _which(role: str, trait: str, where: Table, candidates: list[int]) -> str:
+    """Why no column is clearly the text or the label: none fits, or several do."""
+    if not candidates:
+        return f"no column is clearly the {role} (an id column, every value distinct, is never used)"
+    names = [repr(where.first[j]) if where.header else str(j) for j in candidates]
+    listed = ("" if where.header else "columns ") + f"{', '.join(names[:-1])} and {names[-1]}"
+    return f"{listed} {'both' if len(names) == 2 else 'all'} have {trait}, so none is clearly the {role}"

@@ -1,3 +1,5 @@
+import csv
+import io
 import json
 from importlib import resources
 
@@ -6,6 +8,12 @@ import torch
 
 from llama_scratch.data import MAX_CLASSES, DataError, DataWarning, LabelledTexts, load_dataset, load_sms_spam
 from llama_scratch.splits import shared_texts, split_dataset
+
+
+def as_csv(rows):
+    out = io.StringIO()
+    csv.writer(out, lineterminator="\n").writerows(rows)
+    return out.getvalue()
 
 
 def write(tmp_path, name, content):
@@ -269,3 +277,59 @@ def test_txt_files_are_read_as_tab_or_comma_separated(tmp_path):
         load_dataset(write(tmp_path, "r.txt", ragged))
     with pytest.raises(DataError, match="empty.txt: the file has no rows"):
         load_dataset(write(tmp_path, "empty.txt", "\n\n"))
+
+
+# ---------------------------------------------------------------------------------------------- headers by content
+
+
+def feedback(i):
+    """A customer's comment, long enough that a column name above it stands out."""
+    return f"order {i} arrived {'late and the box was crushed' if i % 2 else 'early and well packed, thanks'}"
+
+
+def test_unnamed_header_is_found_by_content(tmp_path):
+    """`rating` appears once atop a column of pos/neg: a name, not a third class."""
+    rows = [[feedback(i), "neg" if i % 2 else "pos"] for i in range(60)]
+    data = load_dataset(write(tmp_path, "f.csv", as_csv([["feedback", "rating"], *rows])))
+    assert data.class_counts() == {"neg": 30, "pos": 30} and data.skipped == []
+    assert data.texts == [r[0] for r in rows] and data.rows[0] == 2
+    assert "text 'feedback', label 'rating' (header row)" in data.describe()
+
+
+def test_three_columns_are_told_apart_by_content(tmp_path):
+    """An id column (every value distinct) is never the text or the label, with or without a header row."""
+    buckets = ["1-2", "3", "4-5"]
+    rows = [[str(1000 + i), feedback(i), buckets[i % 3]] for i in range(60)]
+    named = load_dataset(write(tmp_path, "n.csv", as_csv([["id", "customer_feedback", "stars_bucket"], *rows])))
+    assert named.texts == [r[1] for r in rows] and named.label_names == buckets and named.rows[0] == 2
+    assert "text 'customer_feedback', label 'stars_bucket' (header row)" in named.describe()
+    bare = load_dataset(write(tmp_path, "b.csv", as_csv(rows)))
+    assert bare.texts == named.texts and bare.labels == named.labels and bare.rows[0] == 1
+    assert "text column 1, label column 2 (no header row)" in bare.describe()
+    moved = load_dataset(write(tmp_path, "m.tsv", "".join(f"{r[2]}\t{r[0]}\t{r[1]}\n" for r in rows)))
+    assert moved.texts == named.texts and moved.labels == named.labels
+
+
+def test_ambiguous_columns_name_what_was_seen(tmp_path):
+    few = [[str(i), feedback(i), "abc"[i % 3], "xy"[i % 2]] for i in range(40)]
+    with pytest.raises(DataError, match=r"'product' and 'region'.*--label-column.*--no-header") as err:
+        load_dataset(write(tmp_path, "few.csv", as_csv([["id", "comment", "product", "region"], *few])))
+    assert "few.csv" in str(err.value)
+    assert load_dataset(write(tmp_path, "few.csv", as_csv(few)), label_column="3").label_names == ["x", "y"]
+    long = [[str(i), feedback(i), feedback(i + 1) + "!", "yn"[i % 2]] for i in range(40)]
+    with pytest.raises(DataError, match=r"'question' and 'answer'.*--text-column"):
+        load_dataset(write(tmp_path, "long.csv", as_csv([["ref", "question", "answer", "verdict"], *long])))
+    with pytest.raises(DataError, match=r"columns 1 and 2 .*first row.*--text-column"):
+        load_dataset(write(tmp_path, "bare.csv", as_csv(long)))
+
+
+def test_header_can_be_forced_either_way(tmp_path):
+    rows = [[feedback(i), "neg" if i % 2 else "pos"] for i in range(20)]
+    path = write(tmp_path, "f.csv", as_csv([["feedback", "rating"], *rows]))
+    kept = load_dataset(path, header=False)
+    assert kept.texts[0] == "feedback" and kept.class_counts() == {"neg": 10, "pos": 10, "rating": 1}
+    bare = write(tmp_path, "b.tsv", "".join(f"{t}\t{y}\n" for t, y in rows))
+    assert len(load_dataset(bare)) == 20
+    dropped = load_dataset(bare, header=True)
+    assert dropped.texts == [r[0] for r in rows[1:]] and dropped.rows[0] == 2
+    assert load_dataset(bare, header=True, text_column="0", label_column="1").texts == dropped.texts
