@@ -67,6 +67,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    "content)")  # fmt: skip
     g.add_argument("--label-column", help="column (or JSON key) holding the label (default: found by its name or "
                    "content)")  # fmt: skip
+    g.add_argument("--no-header", dest="header", action="store_const", const=False, default=None, help="the "
+                   "first row is data, not column names (default: told from the contents)")  # fmt: skip
     g.add_argument("--split", help="book | dedup | stratified | full (default: book for sms_spam, else stratified)")
     g.add_argument("--max-length", type=int, help="cut training texts to this many tokens (default: the longest "
                    "training text, within the model's context)")  # fmt: skip
@@ -345,7 +347,7 @@ def run(args: argparse.Namespace) -> dict:
     dtype = choose_dtype(args.dtype, device)  # a first answer, to size the default model by
 
     # --- data
-    data = load_dataset(args.data, text_column=args.text_column, label_column=args.label_column)
+    data = load_dataset(args.data, text_column=args.text_column, label_column=args.label_column, header=args.header)
     log(data.describe())
     protocol = args.split or default_protocol(args.data)
     parts = split_dataset(data, protocol=protocol, seed=args.seed)
@@ -414,6 +416,7 @@ def run(args: argparse.Namespace) -> dict:
         "data_digest": data.fingerprint(),
         "text_column": args.text_column,
         "label_column": args.label_column,
+        "header": args.header,
         "label_names": data.label_names,
         "num_classes": data.num_classes,
         "split": protocol,

@@ -17,7 +17,8 @@ from llama_scratch import download
 
 # pip's words when the index cannot be reached (as opposed to any other failure, which must fail the test).
 _OFFLINE = ("NewConnectionError", "Network is unreachable", "Temporary failure in name resolution",
-            "Max retries exceeded", "ConnectTimeout", "ProxyError", "Failed to establish a new connection")  # fmt: skip
+            "Max retries exceeded", "ConnectTimeout", "ProxyError", "Failed to establish a new connection",
+            "offline mode is on")  # fmt: skip
 
 
 def smollm2_gguf() -> Path:
