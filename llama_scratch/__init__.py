@@ -3,8 +3,9 @@
 from .classifier import LlamaClassifier
 from .config import LlamaConfig
 from .model import Llama
+from .sources import load_model
 from .tokenizer import Tokenizer
-from .weights import load_model, load_weights, save_checkpoint, save_weights
+from .weights import load_weights, save_checkpoint, save_weights
 
 __all__ = [
     "LlamaConfig",

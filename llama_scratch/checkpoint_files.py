@@ -11,11 +11,16 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import re
+from collections.abc import Callable
 from dataclasses import dataclass
+from fnmatch import fnmatch
 from pathlib import Path
 
 import torch
+
+from .atomic import replace_directory
 
 # --- names -------------------------------------------------------------------------------------------------------
 
@@ -237,3 +242,81 @@ def _shard_names(index: Path) -> list[str]:
                 f"(shards must sit in {index.parent} itself)"
             )
     return list(dict.fromkeys(weight_map.values()))
+
+
+# The weights, their index, the config and the tokenizer; not the original .pth files or other formats.
+ALLOW_PATTERNS = ["*.safetensors", "model.safetensors.index.json", "config.json", "generation_config.json",
+                  "original/tokenizer.model", "tokenizer.json", "tokenizer_config.json"]  # fmt: skip
+
+
+# --- Whose directory is it? -----------------------------------------------------------------------------------------
+# What a checkpoint directory may hold: what we write, what the Hub download fetches (ALLOW_PATTERNS) and what
+# `hf download` or save_pretrained add; and in two subdirectories, Meta's tokenizer and the Hub's bookkeeping.
+CHECKPOINT_FILES = [p for p in ALLOW_PATTERNS if "/" not in p] + ["special_tokens_map.json", "tokenizer.model"]
+CHECKPOINT_FILES.append("SOURCE.md")  # ours
+CHECKPOINT_SUBDIRS = {"original": {"tokenizer.model"}, ".cache": {"huggingface"}}
+
+
+def written_by_us(path: Path) -> bool:
+    """Our marker files: config.json and a SOURCE.md that names this tool (every checkpoint we write has both)."""
+    source = path / "SOURCE.md"
+    text = source.read_text(encoding="utf-8", errors="replace") if source.is_file() else ""
+    return (path / "config.json").is_file() and "llama_scratch" in text
+
+
+def foreign_entries(path: Path) -> list[str]:
+    """What in `path` is not part of a checkpoint, by name ("notes.txt", "other-model/"). It looks into the two
+    subdirectories a checkpoint may have and no deeper, so even a mistyped `--dir ~` is answered at once."""
+    foreign = []
+    for entry in sorted(path.iterdir()):
+        if entry.is_dir() and not entry.is_symlink():
+            allowed = CHECKPOINT_SUBDIRS.get(entry.name, set())
+            if any(inner.name not in allowed for inner in entry.iterdir()):
+                foreign.append(f"{entry.name}/")
+        elif not any(fnmatch(entry.name, pattern) for pattern in CHECKPOINT_FILES):
+            foreign.append(entry.name)
+    return foreign
+
+
+def replaceable(path: Path, force: bool = False) -> bool:
+    """May a fetch or conversion replace the non-empty directory `path`?
+
+    Only when it holds nothing but checkpoint files (`foreign_entries` is empty), and either this tool wrote it
+    (`written_by_us`) or `force` is set. So --force lets a checkpoint we cannot recognise (fetched by an older
+    version, by `hf download`, saved by hand) be replaced, yet never a directory holding anything else: the
+    parent `weights/`, another checkpoint in a subdirectory, a fine-tuning run, a user's notes. A mistyped
+    --dir costs nothing even with --force, and our own checkpoint with a file the user added is kept as well.
+    """
+    return not foreign_entries(path) and (force or written_by_us(path))
+
+
+def check_target(target: str | Path, force: bool = False) -> None:
+    """Refuse, with a FileExistsError that says why and what to do, a target that `replaceable` rejects.
+
+    Called before any download or conversion work, so a refusal costs nothing; `replace_directory` asks again
+    at the moment of the swap."""
+    target = Path(target)
+    if target.is_symlink() or (target.exists() and not target.is_dir()):
+        raise FileExistsError(f"{target} exists and is not a directory; choose another place")
+    if not target.is_dir() or not any(target.iterdir()) or replaceable(target, force):
+        return
+    if foreign := foreign_entries(target):
+        shown = ", ".join(foreign[:5]) + (f" and {len(foreign) - 5} more" if len(foreign) > 5 else "")
+        raise FileExistsError(
+            f"{target} holds files that are not part of one checkpoint ({shown}); nothing was changed. "
+            "Choose a new or empty directory, e.g. one inside it (--force never replaces such a directory)"
+        )
+    raise FileExistsError(
+        f"{target} holds a checkpoint this tool did not write (no SOURCE.md from llama_scratch); nothing was "
+        "changed. Pass --force to replace it, or choose another directory"
+    )
+
+
+def replace_checkpoint(target: str | Path, build: Callable[[Path], object], force: bool = False) -> Path:
+    """Build a checkpoint with `build(tmp)` in a fresh directory beside `target`, then swap it in by renames.
+
+    A failed build leaves `target` as it was; a target `replaceable` rejects is refused (FileExistsError)."""
+    check_target(target, force)
+    absolute = Path(os.path.abspath(target))  # so `.` and `..` have a name to put a temporary directory beside
+    replace_directory(absolute, build, lambda path: replaceable(path, force))
+    return Path(target)

@@ -22,9 +22,10 @@ from .devices import choose_dtype, resolve_device
 from .download import DownloadError
 from .model import Llama
 from .plan import count_parameters
+from .sources import load_model
 from .tokenizer import Tokenizer
 from .train import RESUME_FILE
-from .weights import CheckpointError, copy_named_tensors, load_model
+from .weights import CheckpointError, copy_named_tensors
 
 
 def load_classifier(

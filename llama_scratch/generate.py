@@ -159,7 +159,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--no-cache", action="store_true", help="recompute every step (slow; for comparison)")
     args = parser.parse_args(argv)
 
-    from .weights import load_model
+    from .sources import load_model
 
     if not Path(args.model).is_dir():
         print(f"error: --model {args.model}: not a checkpoint directory", file=sys.stderr)

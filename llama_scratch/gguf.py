@@ -23,6 +23,7 @@ import torch
 from tqdm import tqdm
 
 from .bpe import hf_tokenizer_files
+from .checkpoint_files import check_target, replace_checkpoint
 from .config import LlamaConfig, RopeScaling
 from .gguf_check import GGUFError, check_gguf
 from .model import rope_frequencies
@@ -191,8 +192,8 @@ def convert_gguf(
     tokenizer_config.json, and SOURCE.md with `note` added, e.g. where the file came from); return `out_dir`.
 
     float32 (the default) holds every dequantized value exactly; bfloat16 halves the size at the cost of rounding.
-    Built beside `out_dir`, swapped in whole; the old `out_dir` goes only if `download.replaceable(out_dir, force)`."""
-    from .download import check_target, replace_checkpoint
+    Built beside `out_dir`, swapped in whole; the old `out_dir` goes only if
+    `checkpoint_files.replaceable(out_dir, force)`."""
 
     gguf_path, out_dir = Path(gguf_path), Path(out_dir)
     check_target(out_dir, force)  # refuse before the slow part, not after it

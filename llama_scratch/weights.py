@@ -12,10 +12,8 @@ memory, pages come in from the page cache (or disk) on first use, and a write (t
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import os
-import re
 import time
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
@@ -34,7 +32,7 @@ from .checkpoint_files import (
     ours_to_hf,
     read_header,
 )
-from .config import PRESETS, LlamaConfig, parse_dtype
+from .config import LlamaConfig
 from .model import Llama
 
 # --- loading -------------------------------------------------------------------------------------------------------
@@ -257,58 +255,6 @@ def _materialize_buffers(model: nn.Module, device: torch.device) -> None:
             module.to_empty(device=device, recurse=False)
     if left := [n for n, t in [*model.named_parameters(), *model.named_buffers()] if t.is_meta]:
         raise RuntimeError(f"still on the meta device after loading: {', '.join(left)}")
-
-
-def looks_like_path(ref: str) -> bool:
-    """A reference the user meant as a local path: explicitly relative or absolute (`./x`, `../x`, `/x`, `~/x`),
-    more than one slash, a backslash, or a first component that exists here (`runs/my-model` beside `runs/`)."""
-    first = ref.split("/", 1)[0]
-    return ref.startswith((".", "/", "~")) or ref.count("/") > 1 or "\\" in ref or ("/" in ref and Path(first).exists())
-
-
-def is_repo_id(ref: str) -> bool:
-    """'owner/name' that is neither a preset nor a local path (existing or meant): a Hugging Face repository."""
-    return (
-        ref not in PRESETS
-        and not Path(ref).exists()
-        and not looks_like_path(ref)
-        and re.fullmatch(r"[\w.-]+/[\w.-]+", ref) is not None
-    )
-
-
-def load_model(
-    path_or_preset: str | Path,
-    device: str | torch.device | None = None,
-    dtype: str | torch.dtype | None = None,
-    progress: bool | None = None,
-) -> Llama:
-    """A ready model: a checkpoint directory (or file) built on meta and loaded onto `device`; a Hugging Face repo
-    id (weights/NAME if the download command put it there, else fetched into the Hugging Face cache); or a preset
-    name, freshly initialized on `device`. `dtype` None or "auto" keeps the checkpoint's."""
-    from .download import default_dir, fetch
-
-    device = torch.device(device or "cpu")
-    name = str(path_or_preset)
-    if name in PRESETS and not Path(name).exists():
-        cfg = LlamaConfig.from_name(name)
-        if dtype not in (None, "auto"):
-            cfg = dataclasses.replace(cfg, dtype=parse_dtype(dtype))
-        with device:
-            return Llama(cfg)
-    path = Path(name)
-    if not path.exists() and is_repo_id(name):
-        path = default_dir(name) if (default_dir(name) / "config.json").is_file() else fetch(name)
-    if not path.exists():
-        if looks_like_path(name):
-            raise FileNotFoundError(f"{name}: no such file or directory")
-        raise FileNotFoundError(f"{name!r} is neither a checkpoint path nor a preset ({', '.join(PRESETS)})")
-    cfg = LlamaConfig.from_hf(path if path.is_dir() else path.parent)
-    if dtype not in (None, "auto"):
-        cfg = dataclasses.replace(cfg, dtype=parse_dtype(dtype))
-    with torch.device("meta"):
-        model = Llama(cfg)
-    load_weights(model, path, device=device, progress=progress)
-    return model
 
 
 def copy_named_tensors(

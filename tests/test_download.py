@@ -17,8 +17,9 @@ from types import SimpleNamespace
 import pytest
 
 from llama_scratch import download, gguf
+from llama_scratch.checkpoint_files import foreign_entries, replaceable, written_by_us
 from llama_scratch.convert_gguf import main as convert_main
-from llama_scratch.download import DownloadError, foreign_entries, replaceable, written_by_us
+from llama_scratch.download import DownloadError
 from llama_scratch.gguf import convert_gguf
 
 REPO = "meta-llama/Llama-3.2-1B"

@@ -13,7 +13,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
-from llama_scratch import classify, finetune_classifier
+from llama_scratch import classify, finetune_classifier, sources
 from llama_scratch.config import parse_dtype
 from llama_scratch.resume import read_point
 
@@ -219,9 +219,9 @@ def test_a_resume_point_from_before_epoch_sums_still_loads(tmp_path):
 
 
 def test_a_repo_id_is_told_apart_from_presets_and_paths(tmp_path):
-    assert finetune_classifier.is_repo_id("HuggingFaceTB/SmolLM2-360M")
-    assert not finetune_classifier.is_repo_id("tiny")
-    assert not finetune_classifier.is_repo_id(str(tmp_path))
+    assert sources.is_repo_id("HuggingFaceTB/SmolLM2-360M")
+    assert not sources.is_repo_id("tiny")
+    assert not sources.is_repo_id(str(tmp_path))
 
 
 def test_free_memory_without_proc_meminfo_falls_back(monkeypatch):

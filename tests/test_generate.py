@@ -7,7 +7,7 @@ import torch
 
 from llama_scratch import Llama, LlamaConfig, Tokenizer
 from llama_scratch.generate import KVCache, cached_step, chat_prompt, generate, main, pick_token
-from llama_scratch.weights import load_model
+from llama_scratch.sources import load_model
 
 pytest_plugins = ["tests.smollm2"]  # the SmolLM2 fixtures: smollm2_gguf_file, smollm2_dir
 

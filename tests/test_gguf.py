@@ -37,8 +37,8 @@ from llama_scratch.config import RopeScaling
 from llama_scratch.convert_gguf import main as convert_main
 from llama_scratch.gguf import GGUFError, convert_gguf, unpermute_rows
 from llama_scratch.gguf_check import check_gguf
+from llama_scratch.sources import load_model
 from llama_scratch.tokenizer import default_model_path, llama3_special_tokens, read_tiktoken_bpe
-from llama_scratch.weights import load_model
 
 pytest_plugins = ["tests.smollm2"]  # the SmolLM2 fixtures: smollm2_gguf_file, smollm2_dir
 

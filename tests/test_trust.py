@@ -15,7 +15,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from llama_scratch import Llama, LlamaClassifier, LlamaConfig, classify, finetune_classifier, train, weights
+from llama_scratch import Llama, LlamaClassifier, LlamaConfig, classify, finetune_classifier, sources, train, weights
 from llama_scratch.distributed import Dist
 from llama_scratch.resume import ResumeError
 
@@ -195,12 +195,12 @@ def test_a_mistyped_local_path_is_not_downloaded(tmp_path, monkeypatch, capsys):
     def no_download(*args, **kwargs):
         raise AssertionError("a local path was taken for a repository id")
 
-    monkeypatch.setattr("llama_scratch.download.fetch", no_download)
+    monkeypatch.setattr("llama_scratch.sources.fetch", no_download)
     for ref in ("runs/my-model", "./my-model", "../my-model", "weights/a/b"):
         with pytest.raises(FileNotFoundError, match="no such file or directory"):
-            weights.load_model(ref)
-        assert not weights.is_repo_id(ref)
-    assert weights.is_repo_id("meta-llama/Llama-3.2-1B")
+            sources.load_model(ref)
+        assert not sources.is_repo_id(ref)
+    assert sources.is_repo_id("meta-llama/Llama-3.2-1B")
     assert finetune_classifier.main(["--model", "runs/my-model", "--output", "o", "--max-steps", "1"]) == 2
     assert "runs/my-model: no such file or directory" in capsys.readouterr().err
 

@@ -13,7 +13,8 @@ from safetensors.torch import load_file, save_file
 from llama_scratch.checkpoint_files import hf_to_ours, ours_to_hf
 from llama_scratch.config import LlamaConfig
 from llama_scratch.model import Llama
-from llama_scratch.weights import CheckpointError, load_model, load_weights, save_checkpoint, save_weights
+from llama_scratch.sources import load_model
+from llama_scratch.weights import CheckpointError, load_weights, save_checkpoint, save_weights
 
 transformers = pytest.importorskip("transformers")
 
