@@ -6,36 +6,43 @@ Same command on one CPU, one GPU, or several GPUs under `torchrun --nproc_per_no
 from __future__ import annotations
 
 import argparse
-import csv
 import dataclasses
-import io
-import json
-import os
+import functools
 import signal
 import sys
 import time
 import warnings
 from collections import Counter
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 from safetensors.torch import load_file
 
 from . import distributed
-from .atomic import write_atomic, write_text_atomic
 from .batching import default_max_length, encode_texts
 from .classifier import LlamaClassifier
 from .config import LlamaConfig
-from .data import DataWarning, load_dataset
+from .data import DataWarning, LabelledTexts, load_dataset
 from .devices import choose_dtype, free_memory, memory_budget
 from .distributed import Dist
 from .download import DownloadError
+from .model import Llama
 from .plan import count_parameters
 from .plan_report import plan_command
 from .prefix_cache import cache_bytes, compute_frozen_states, frozen_blocks
-from .run_dir import BEST_FILE, WORK_FILES, OutputError, check_output, clear_run, new_run_id
+from .run_dir import (
+    BEST_FILE,
+    base_model_record,
+    check_output,
+    clear_run,
+    default_output,
+    point_latest,
+    write_results,
+)
 from .sources import default_model, is_repo_id, load_model, local_checkpoint, resolve_tokenizer, trains_from_scratch
 from .splits import default_protocol, split_dataset
+from .tokenizer import Tokenizer
 from .train import (
     Split,
     TrainingDiverged,
@@ -47,8 +54,6 @@ from .train import (
     train,
 )
 from .weights import copy_named_tensors, save_weights
-
-RUNS_DIR = Path("runs")
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -127,47 +132,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
-def default_output(model_ref: str, data: str, resume: bool, runs: Path = RUNS_DIR) -> Path:
-    """A new directory per run, named for the model, the data file (with its type: x.csv and x.jsonl differ) and
-    the time, so that no run lands in another's folder. `--resume` without `--output` continues runs/latest."""
-    if resume:
-        if not (runs / "latest").exists():
-            raise OutputError(f"--resume without --output continues {runs}/latest, which does not exist; pass --output")
-        return (runs / "latest").resolve()
-    name = Path(data).name.replace(".", "-")
-    base = runs / f"{Path(model_ref).name}-{name}-{time.strftime('%Y%m%d-%H%M%S')}"
-    out, n = base, 1
-    while out.exists():  # two runs started within the same second
-        n += 1
-        out = base.with_name(f"{base.name}-{n}")
-    return out
-
-
-def point_latest(out: Path) -> None:
-    """runs/latest -> the newest run's directory, so `classify --checkpoint runs/latest` finds it. Only a link
-    we made is replaced; a file or directory of that name that someone else put there is left alone."""
-    latest = out.parent / "latest"
-    if latest.exists() and not latest.is_symlink():
-        return
-    tmp = out.parent / f".latest.{os.getpid()}.tmp"
-    try:
-        tmp.unlink(missing_ok=True)
-        tmp.symlink_to(out.name, target_is_directory=True)
-        os.replace(tmp, latest)
-    except OSError:  # a filesystem without symbolic links: the run is still in its own folder
-        tmp.unlink(missing_ok=True)
-
-
-def base_model_record(model_ref: str, repo_id: str | None, out: Path) -> dict:
-    """Where classify finds the base model again: the path as given (absolute), the path relative to the run (a
-    run moved together with its weights still works), and the Hub repo id it came from, if any."""
-    path = Path(model_ref)
-    if not path.exists():  # a preset: nothing on disk
-        return {"base_model": model_ref}
-    record = {"base_model": str(path.resolve()), "base_model_relative": os.path.relpath(path.resolve(), out.resolve())}
-    return record | ({"base_model_repo": repo_id} if repo_id else {})
-
-
 def chosen_train_last(arg: str | None, from_scratch: bool) -> int | None:
     """`--train-last` as a number of blocks (None: everything). A pretrained model needs only its top adjusted,
     gently; random weights must all learn."""
@@ -243,39 +207,95 @@ def use_cache(
     return True
 
 
-def history_csv(rows: list[dict]) -> str:
-    buf = io.StringIO()
-    if rows:
-        writer = csv.DictWriter(buf, fieldnames=list(rows[0]))
-        writer.writeheader()
-        writer.writerows(rows)
-    return buf.getvalue()
+@dataclass
+class ModelChoice:
+    """Which model a run trains, decided before anything is loaded."""
+
+    ref: str  # a preset or a local checkpoint directory
+    repo_id: str | None  # the Hub repository it was fetched from, if any
+    dtype: torch.dtype
+    from_scratch: bool  # a preset: random weights
+    train_last: int | None  # blocks trained (None: all)
 
 
-def plot_history(rows: list[dict], path: Path) -> bool:
-    """loss.png with loss and accuracy per epoch, when matplotlib is installed (it is optional)."""
-    try:
-        import matplotlib
+@dataclass
+class Job:
+    """What the phases of one run share once data, model and output are chosen."""
 
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        return False
-    epochs = [r["epoch"] for r in rows]
-    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(9, 3.5))
-    for split in ("train", "val"):
-        ax1.plot(epochs, [r[f"{split}_loss"] for r in rows], marker="o", label=split)
-        ax2.plot(epochs, [r[f"{split}_accuracy"] for r in rows], marker="o", label=split)
-    ax1.set(xlabel="epoch", ylabel="loss", title="loss")
-    ax2.set(xlabel="epoch", ylabel="accuracy", title="accuracy")
-    ax1.legend()
-    fig.tight_layout()
-    write_atomic(path, lambda tmp: fig.savefig(tmp, format="png", dpi=100))
-    plt.close(fig)
-    return True
+    args: argparse.Namespace
+    env: Dist
+    device: torch.device
+    started: float
+    data: LabelledTexts
+    parts: dict[str, LabelledTexts]
+    protocol: str
+    choice: ModelChoice
+    out: Path
+
+
+def read_data(args: argparse.Namespace, log) -> tuple[LabelledTexts, dict[str, LabelledTexts], str]:
+    """The labelled texts and their train/val/test split."""
+    data = load_dataset(args.data, text_column=args.text_column, label_column=args.label_column, header=args.header)
+    log(data.describe())
+    protocol = args.split or default_protocol(args.data)
+    parts = split_dataset(data, protocol=protocol, seed=args.seed)
+    log(f"split '{protocol}': " + ", ".join(f"{k} {len(v):,}" for k, v in parts.items()))
+    return data, parts, protocol
+
+
+def choose_model(args: argparse.Namespace, env: Dist, device: torch.device, log) -> ModelChoice:
+    """The model reference made local (fetched, converted or found by rank 0 alone; the others take its answer),
+    the dtype to compute in, and how much of it trains."""
+    dtype = choose_dtype(args.dtype, device)  # a first answer, to size the default model by
+    ref = args.model or distributed.broadcast_object(default_model(device, dtype, log) if env.is_main else None)
+    repo_id = ref if is_repo_id(ref) else None
+    ref = distributed.broadcast_object(local_checkpoint(ref, log) if env.is_main else None)
+    if Path(ref).is_dir():  # a float32 copy that would not fit keeps the checkpoint's own dtype
+        cfg = LlamaConfig.from_hf(ref)
+        dtype = choose_dtype(args.dtype, device, cfg.dtype, count_parameters(cfg).backbone, log)
+    from_scratch = trains_from_scratch(ref)
+    return ModelChoice(ref, repo_id, dtype, from_scratch, chosen_train_last(args.train_last, from_scratch))
+
+
+def load_backbone(
+    choice: ModelChoice, args: argparse.Namespace, env: Dist, device, log
+) -> tuple[Llama, Tokenizer, str]:
+    """The backbone streamed onto the device, and the tokenizer that belongs to it."""
+    backbone = load_model(choice.ref, device=device, dtype=choice.dtype, progress=env.is_main)
+    backbone.gradient_checkpointing = args.gradient_checkpointing
+    tokenizer, tokenizer_ref = resolve_tokenizer(choice.ref, backbone.cfg, log)
+    if tokenizer.n_words > backbone.cfg.vocab_size:
+        raise ValueError(
+            f"the tokenizer has {tokenizer.n_words:,} tokens but {choice.ref} embeds only "
+            f"{backbone.cfg.vocab_size:,}: they do not belong together (is the checkpoint's tokenizer file missing?)"
+        )
+    return backbone, tokenizer, tokenizer_ref
+
+
+def tokenize(parts: dict[str, LabelledTexts], tokenizer: Tokenizer, context: int, max_length: int | None,
+             log) -> tuple[dict[str, Split], int]:  # fmt: skip
+    """Token ids per split, cut to `max_length` (default: the longest training text, within the context)."""
+    ids = {k: encode_texts(v.texts, tokenizer)[0] for k, v in parts.items()}
+    max_length = max_length or default_max_length(ids["train"], context)
+    truncated = sum(len(x) > max_length for rows in ids.values() for x in rows)
+    log(f"max length {max_length} tokens; {truncated:,} texts truncated")
+    return {k: Split([x[:max_length] for x in ids[k]], parts[k].labels) for k in parts}, max_length
+
+
+def start_output(out: Path, args: argparse.Namespace, env: Dist) -> None:
+    """A fresh run clears what an earlier run of ours left in `out` (check_output has refused anything else)."""
+    distributed.barrier()
+    if env.is_main:
+        if not args.resume:
+            clear_run(out)
+        out.mkdir(parents=True, exist_ok=True)
+        if args.output is None:
+            point_latest(out)
+    distributed.barrier()
 
 
 def run(args: argparse.Namespace) -> dict:
+    """The main job in phases: data, model, output, tokens, recipe, training, results."""
     if args.plan:  # before the process group, the data and the weights: nothing is allocated
         if args.model is None:  # the default model may have to be downloaded: a plan names its model instead
             raise ValueError("--plan needs --model: a preset (e.g. llama3-8b), a checkpoint directory or a repo id")
@@ -286,74 +306,59 @@ def run(args: argparse.Namespace) -> dict:
         warnings.simplefilter("ignore", DataWarning)
     started = time.perf_counter()
     torch.manual_seed(args.seed)
-    dtype = choose_dtype(args.dtype, device)  # a first answer, to size the default model by
-
-    # --- data
-    data = load_dataset(args.data, text_column=args.text_column, label_column=args.label_column, header=args.header)
-    log(data.describe())
-    protocol = args.split or default_protocol(args.data)
-    parts = split_dataset(data, protocol=protocol, seed=args.seed)
-    log(f"split '{protocol}': " + ", ".join(f"{k} {len(v):,}" for k, v in parts.items()))
-
-    # --- model and tokenizer
-    # Under torchrun, rank 0 alone looks for (and if need be fetches) the default model; the others take its answer.
-    model_ref = args.model or distributed.broadcast_object(default_model(device, dtype, log) if env.is_main else None)
-    repo_id = model_ref if is_repo_id(model_ref) else None
-    # A repo id is fetched, a GGUF file converted, once, by rank 0; from then on it is a directory like any other.
-    model_ref = distributed.broadcast_object(local_checkpoint(model_ref, log) if env.is_main else None)
-    if Path(model_ref).is_dir():  # a float32 copy that would not fit keeps the checkpoint's own dtype
-        cfg = LlamaConfig.from_hf(model_ref)
-        dtype = choose_dtype(args.dtype, device, cfg.dtype, count_parameters(cfg).backbone, log)
+    data, parts, protocol = read_data(args, log)
+    choice = choose_model(args, env, device, log)
     out = args.output or distributed.broadcast_object(
-        default_output(model_ref, args.data, args.resume) if env.is_main else None
+        default_output(choice.ref, args.data, args.resume) if env.is_main else None
     )
     log(f"output: {out}/")
     check_output(out, args.resume, args.overwrite)  # before anything is loaded or written
-    backbone = load_model(model_ref, device=device, dtype=dtype, progress=env.is_main)
-    backbone.gradient_checkpointing = args.gradient_checkpointing
-    from_scratch = trains_from_scratch(model_ref)
-    train_last = chosen_train_last(args.train_last, from_scratch)
-    tokenizer, tokenizer_ref = resolve_tokenizer(model_ref, backbone.cfg, log)
-    if tokenizer.n_words > backbone.cfg.vocab_size:
-        raise ValueError(
-            f"the tokenizer has {tokenizer.n_words:,} tokens but {model_ref} embeds only {backbone.cfg.vocab_size:,}: "
-            "they do not belong together (is the checkpoint's tokenizer file missing?)"
-        )
-    ids = {k: encode_texts(v.texts, tokenizer)[0] for k, v in parts.items()}
-    max_length = args.max_length or default_max_length(ids["train"], backbone.cfg.max_seq_len)
-    truncated = sum(len(x) > max_length for rows in ids.values() for x in rows)
-    ids = {k: [x[:max_length] for x in rows] for k, rows in ids.items()}
-    log(f"max length {max_length} tokens; {truncated:,} texts truncated")
-    splits = {k: Split(ids[k], parts[k].labels) for k in parts}
-
-    settings = recipe(args, from_scratch, parts["train"].labels, data.num_classes, env, log)
-    clf = LlamaClassifier(backbone, num_classes=data.num_classes, train_last=train_last)
+    job = Job(args, env, device, started, data, parts, protocol, choice, out)
+    backbone, tokenizer, tokenizer_ref = load_backbone(choice, args, env, device, log)
+    splits, max_length = tokenize(parts, tokenizer, backbone.cfg.max_seq_len, args.max_length, log)
+    settings = recipe(args, choice.from_scratch, parts["train"].labels, data.num_classes, env, log)
+    clf = LlamaClassifier(backbone, num_classes=data.num_classes, train_last=choice.train_last)
     n_train = sum(p.numel() for p in clf.trainable_parameters().values())
-    log(f"training {n_train:,} of {sum(p.numel() for p in clf.parameters()):,} parameters on {device} in {dtype}")
-    if use_cache(args.cache_frozen, clf, ids, device, env, log):
+    log(f"training {n_train:,} of {sum(p.numel() for p in clf.parameters()):,} parameters on {device} in "
+        f"{choice.dtype}")  # fmt: skip
+    if use_cache(args.cache_frozen, clf, {k: v.ids for k, v in splits.items()}, device, env, log):
         splits = {
             k: Split(v.ids, v.labels, compute_frozen_states(clf, v.ids, tokenizer.pad_id, settings.eval_rows, env=env))
             for k, v in splits.items()
         }
     model = distributed.wrap(clf, env, device)
-
-    # --- output directory
-    distributed.barrier()
+    start_output(out, args, env)
+    save = functools.partial(save_classifier, clf, choice.from_scratch)
+    state = train(model, splits, data.num_classes, tokenizer.pad_id, settings, env, device, out, args.resume,
+                  lambda epoch: save(out / BEST_FILE), log, run_identity=run_identity(job, max_length))  # fmt: skip
+    metrics = final_metrics(job, model, clf, splits, tokenizer.pad_id, settings, state)
     if env.is_main:
-        if not args.resume:  # a fresh run: nothing of an earlier run in this directory may be taken for ours
-            clear_run(out)
-        out.mkdir(parents=True, exist_ok=True)
-        if args.output is None:
-            point_latest(out)
-    distributed.barrier()
+        meta = {
+            **base_model_record(choice.ref, choice.repo_id, out),
+            "weights_include_backbone": choice.from_scratch,
+            "config": backbone.cfg.to_hf_dict(),
+            "num_classes": data.num_classes,
+            "label_names": data.label_names,
+            "train_last": choice.train_last,
+            "tokenizer": tokenizer_ref,
+            "max_length": max_length,
+            "dtype": metrics["dtype"],
+            "settings": dataclasses.asdict(settings),
+        }
+        write_results(out, save, metrics, meta, state.history)
+        warn_if_one_class(metrics["val_accuracy"], parts["val"].labels, log)
+        log(
+            f"test accuracy {metrics['test_accuracy']:.2%} (val {metrics['val_accuracy']:.2%}, train "
+            f"{metrics['train_accuracy']:.2%}); {metrics['seconds']:.0f} s. Results in {out}/"
+        )
+    return metrics
 
-    # Trained parameters only, unless the backbone itself came from random weights (then nothing else holds it).
-    def save_classifier(path: Path, metadata: dict | None = None) -> None:
-        state = clf.state_dict() if from_scratch else clf.trainable_parameters()
-        save_weights({k: v.detach() for k, v in state.items()}, path, metadata)
 
-    identity = {
-        "model": model_ref,
+def run_identity(job: Job, max_length: int) -> dict:
+    """What a resume point must share with the run that resumes it, besides the recipe (TrainSettings)."""
+    args, data, choice = job.args, job.data, job.choice
+    return {
+        "model": choice.ref,
         "data": args.data,
         "data_digest": data.fingerprint(),
         "text_column": args.text_column,
@@ -361,40 +366,37 @@ def run(args: argparse.Namespace) -> dict:
         "header": args.header,
         "label_names": data.label_names,
         "num_classes": data.num_classes,
-        "split": protocol,
+        "split": job.protocol,
         "max_length": max_length,
-        "dtype": str(dtype),
-        "train_last": "all" if train_last is None else train_last,
+        "dtype": str(choice.dtype),
+        "train_last": "all" if choice.train_last is None else choice.train_last,
     }
-    state = train(
-        model,
-        splits,
-        data.num_classes,
-        tokenizer.pad_id,
-        settings,
-        env,
-        device,
-        out,
-        args.resume,
-        lambda epoch: save_classifier(out / BEST_FILE),
-        log,
-        run_identity=identity,
-    )
 
-    # --- final evaluation with the best weights (by validation accuracy)
-    if env.is_main and not (out / BEST_FILE).exists():
-        save_classifier(out / BEST_FILE)
+
+def save_classifier(clf: LlamaClassifier, from_scratch: bool, path: Path, metadata: dict | None = None) -> None:
+    """Trained parameters only, unless the backbone came from random weights (then nothing else holds it)."""
+    state = clf.state_dict() if from_scratch else clf.trainable_parameters()
+    save_weights({k: v.detach() for k, v in state.items()}, path, metadata)
+
+
+def final_metrics(job: Job, model, clf: LlamaClassifier, splits: dict[str, Split], pad_id: int,
+                  settings: TrainSettings, state) -> dict:  # fmt: skip
+    """Every split evaluated with the best weights (by validation accuracy), and the run's figures."""
+    best = job.out / BEST_FILE
+    if job.env.is_main and not best.exists():  # no epoch ended here (resumed after the last one)
+        save_classifier(clf, job.choice.from_scratch, best)
     distributed.barrier()
-    copy_named_tensors(clf, load_file(out / BEST_FILE, device=str(device)), str(out / BEST_FILE))
+    copy_named_tensors(clf, load_file(best, device=str(job.device)), str(best))
+    data, choice = job.data, job.choice
     results = {
-        k: evaluate(model, splits[k], data.num_classes, tokenizer.pad_id, settings, env, device, f"final {k}")
+        k: evaluate(model, splits[k], data.num_classes, pad_id, settings, job.env, job.device, f"final {k}")
         for k in ("train", "val", "test")
     }
-    metrics = {
-        "model": model_ref,
-        "data": args.data,
-        "split": protocol,
-        "split_sizes": {k: len(v) for k, v in parts.items()},
+    return {
+        "model": choice.ref,
+        "data": job.args.data,
+        "split": job.protocol,
+        "split_sizes": {k: len(v) for k, v in job.parts.items()},
         "num_classes": data.num_classes,
         "label_names": data.label_names,
         **{f"{k}_accuracy": r["accuracy"] for k, r in results.items()},
@@ -403,43 +405,14 @@ def run(args: argparse.Namespace) -> dict:
         "test_confusion": results["test"]["confusion"],
         "best_epoch": state.best_epoch,
         "steps": state.step,
-        "seconds": time.perf_counter() - started,
+        "seconds": time.perf_counter() - job.started,
         "train_seconds": state.train_seconds,
         "tokens_per_second": state.train_tokens / max(state.train_seconds, 1e-9),
-        "dtype": str(dtype).removeprefix("torch."),
-        "device": str(device),
-        "world_size": env.world_size,
-        "trainable_parameters": n_train,
+        "dtype": str(choice.dtype).removeprefix("torch."),
+        "device": str(job.device),
+        "world_size": job.env.world_size,
+        "trainable_parameters": sum(p.numel() for p in clf.trainable_parameters().values()),
     }
-    if env.is_main:
-        # The results appear as a set, classifier.json (what classify reads first) last; one run id ties them.
-        run_id = metrics["run_id"] = new_run_id()
-        save_classifier(out / "classifier.safetensors", {"run_id": run_id})
-        meta = {
-            "run_id": run_id,
-            **base_model_record(model_ref, repo_id, out),
-            "weights_include_backbone": from_scratch,
-            "config": backbone.cfg.to_hf_dict(),
-            "num_classes": data.num_classes,
-            "label_names": data.label_names,
-            "train_last": train_last,
-            "tokenizer": tokenizer_ref,
-            "max_length": max_length,
-            "dtype": metrics["dtype"],
-            "settings": dataclasses.asdict(settings),
-        }
-        write_text_atomic(out / "history.csv", history_csv(state.history))
-        plot_history(state.history, out / "history.png")
-        write_text_atomic(out / "metrics.json", json.dumps(metrics, indent=2) + "\n")
-        write_text_atomic(out / "classifier.json", json.dumps(meta, indent=2) + "\n")
-        for name in WORK_FILES:  # the run is complete; its resume point and working copy are spent
-            (out / name).unlink(missing_ok=True)
-        warn_if_one_class(metrics["val_accuracy"], parts["val"].labels, log)
-        log(
-            f"test accuracy {metrics['test_accuracy']:.2%} (val {metrics['val_accuracy']:.2%}, train "
-            f"{metrics['train_accuracy']:.2%}); {metrics['seconds']:.0f} s. Results in {out}/"
-        )
-    return metrics
 
 
 def _interrupt(signum, frame) -> None:

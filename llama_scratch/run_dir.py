@@ -12,12 +12,19 @@ the weights and `classifier.json` share it, so files of two runs are never taken
 
 from __future__ import annotations
 
+import csv
+import io
+import json
+import os
 import re
+import time
 import uuid
 from pathlib import Path
 
+from .atomic import write_atomic, write_text_atomic
 from .train import RESUME_FILE
 
+RUNS_DIR = Path("runs")  # where runs go when --output is not given
 BEST_FILE = "best.safetensors"  # the best trained weights so far, while the run trains
 WORK_FILES = (RESUME_FILE, BEST_FILE)
 RESULT_FILES = ("classifier.safetensors", "history.csv", "history.png", "metrics.json", "classifier.json")
@@ -76,3 +83,89 @@ def clear_run(out: Path) -> None:
         for path in out.iterdir():
             if _ours(path.name) and path.is_file():
                 path.unlink()
+
+
+def default_output(model_ref: str, data: str, resume: bool, runs: Path = RUNS_DIR) -> Path:
+    """A new directory per run, named for the model, the data file (with its type: x.csv and x.jsonl differ) and
+    the time, so that no run lands in another's folder. `--resume` without `--output` continues runs/latest."""
+    if resume:
+        if not (runs / "latest").exists():
+            raise OutputError(f"--resume without --output continues {runs}/latest, which does not exist; pass --output")
+        return (runs / "latest").resolve()
+    name = Path(data).name.replace(".", "-")
+    base = runs / f"{Path(model_ref).name}-{name}-{time.strftime('%Y%m%d-%H%M%S')}"
+    out, n = base, 1
+    while out.exists():  # two runs started within the same second
+        n += 1
+        out = base.with_name(f"{base.name}-{n}")
+    return out
+
+
+def point_latest(out: Path) -> None:
+    """runs/latest -> the newest run's directory, so `classify --checkpoint runs/latest` finds it. Only a link
+    we made is replaced; a file or directory of that name that someone else put there is left alone."""
+    latest = out.parent / "latest"
+    if latest.exists() and not latest.is_symlink():
+        return
+    tmp = out.parent / f".latest.{os.getpid()}.tmp"
+    try:
+        tmp.unlink(missing_ok=True)
+        tmp.symlink_to(out.name, target_is_directory=True)
+        os.replace(tmp, latest)
+    except OSError:  # a filesystem without symbolic links: the run is still in its own folder
+        tmp.unlink(missing_ok=True)
+
+
+def base_model_record(model_ref: str, repo_id: str | None, out: Path) -> dict:
+    """Where classify finds the base model again: the path as given (absolute), the path relative to the run (a
+    run moved together with its weights still works), and the Hub repo id it came from, if any."""
+    path = Path(model_ref)
+    if not path.exists():  # a preset: nothing on disk
+        return {"base_model": model_ref}
+    record = {"base_model": str(path.resolve()), "base_model_relative": os.path.relpath(path.resolve(), out.resolve())}
+    return record | ({"base_model_repo": repo_id} if repo_id else {})
+
+
+def history_csv(rows: list[dict]) -> str:
+    buf = io.StringIO()
+    if rows:
+        writer = csv.DictWriter(buf, fieldnames=list(rows[0]))
+        writer.writeheader()
+        writer.writerows(rows)
+    return buf.getvalue()
+
+
+def plot_history(rows: list[dict], path: Path) -> bool:
+    """loss.png with loss and accuracy per epoch, when matplotlib is installed (it is optional)."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return False
+    epochs = [r["epoch"] for r in rows]
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(9, 3.5))
+    for split in ("train", "val"):
+        ax1.plot(epochs, [r[f"{split}_loss"] for r in rows], marker="o", label=split)
+        ax2.plot(epochs, [r[f"{split}_accuracy"] for r in rows], marker="o", label=split)
+    ax1.set(xlabel="epoch", ylabel="loss", title="loss")
+    ax2.set(xlabel="epoch", ylabel="accuracy", title="accuracy")
+    ax1.legend()
+    fig.tight_layout()
+    write_atomic(path, lambda tmp: fig.savefig(tmp, format="png", dpi=100))
+    plt.close(fig)
+    return True
+
+
+def write_results(out: Path, save, metrics: dict, meta: dict, history: list[dict]) -> None:
+    """The results as a set, classifier.json (what classify reads first) last, tied by one run id; then the
+    run's working files go."""
+    run_id = metrics["run_id"] = meta["run_id"] = new_run_id()
+    save(out / "classifier.safetensors", {"run_id": run_id})
+    write_text_atomic(out / "history.csv", history_csv(history))
+    plot_history(history, out / "history.png")
+    write_text_atomic(out / "metrics.json", json.dumps(metrics, indent=2) + "\n")
+    write_text_atomic(out / "classifier.json", json.dumps(meta, indent=2) + "\n")
+    for name in WORK_FILES:  # the run is complete; its resume point and working copy are spent
+        (out / name).unlink(missing_ok=True)
