@@ -13,6 +13,8 @@ import torch
 from .config import PRESETS, LlamaConfig, parse_dtype
 from .plan import FP32, GiB, MemoryPlan, Recipe, plan_memory
 
+SCRATCH_PRESETS = ("tiny",)  # presets with no published checkpoint: only ever trained from random weights
+
 
 def detect_gpu() -> tuple[str, int] | None:
     """(name, total memory in bytes) of the current CUDA device, or None without one. Reads properties only."""
@@ -118,12 +120,19 @@ def config_for(model_ref: str) -> LlamaConfig:
         ) from None
 
 
+def plans_from_scratch(model_ref: str) -> bool:
+    """Whether `--plan` plans training from random weights. A preset named on --plan (llama3-8b) stands for its
+    published checkpoint: a user plans the run they will make with its weights. Only 'tiny' has none."""
+    return model_ref in SCRATCH_PRESETS and not Path(model_ref).exists()
+
+
 def plan_command(args, train_last: int | None) -> dict:
     """`python -m llama_scratch.finetune_classifier ... --plan`: print the plan for these arguments, load nothing.
 
     Reads only the model's config.json (or preset). `train_last` is what the command resolved `--train-last` to
-    (None: everything). The device and dtype follow the command's `auto` choices, except that `--gpu-memory`
-    means "plan for a GPU" on a machine without one (bfloat16, fused AdamW).
+    (None: everything; for a preset, what its checkpoint would train: see plans_from_scratch). The device and dtype
+    follow the command's `auto` choices, except that `--gpu-memory` means "plan for a GPU" on a machine without one
+    (bfloat16, fused AdamW).
     """
     gpu = detect_gpu()
     if args.gpu_memory is not None:
@@ -136,9 +145,15 @@ def plan_command(args, train_last: int | None) -> dict:
     else:
         dtype = torch.float32
     model_ref = args.model
+    preset = model_ref in PRESETS and not Path(model_ref).exists() and not plans_from_scratch(model_ref)
     notes = []
     if args.max_length is None:
         notes.append("no --max-length given: planned for 512 tokens (training pads each batch to its longest text)")
+    if preset:
+        notes.append(
+            f"--model {model_ref} alone trains the preset's random weights (all blocks by default); to train the real "
+            "checkpoint, download it and pass its directory as --model"
+        )
     recipe = Recipe(
         cfg=config_for(model_ref),
         batch_size=args.batch_size,
@@ -161,6 +176,10 @@ def plan_command(args, train_last: int | None) -> dict:
         )
     if int(os.environ.get("RANK", 0)) == 0:
         print(f"model {model_ref}")
+        if preset and args.train_last is None:
+            shown = "all" if train_last is None else train_last
+            print(f"planning {model_ref} as a pretrained checkpoint: --train-last {shown} (the default for pretrained "
+                  "weights)")  # fmt: skip
         print(format_plan(plan, gpu if on_gpu else None))
         for note in notes:
             print(f"  note: {note}")

@@ -160,14 +160,23 @@ def test_plan_command_prints_without_loading_anything(monkeypatch, capsys):
 
 
 def test_plan_defaults_are_the_runs_defaults(tmp_path, capsys):
-    """Without --train-last the plan assumes what a run would do: the last 2 blocks of a pretrained checkpoint
-    (only its config.json is read), everything for a preset's random weights."""
+    """Without --train-last the plan assumes what a run of the checkpoint would do: the last 2 blocks of a pretrained
+    checkpoint (only its config.json is read), and the same for a preset named on --plan, which stands for its
+    published checkpoint. 'tiny' has none: everything trains. Explicit flags win."""
     pretrained = tmp_path / "Meta-Llama-3-8B"
     pretrained.mkdir()
     (pretrained / "config.json").write_text(json.dumps(LlamaConfig.from_name("llama3-8b").to_hf_dict()))
     assert command.main(["--model", str(pretrained), "--plan", "--gpu-memory", "80"]) == 0
-    assert "train last 2 block(s)" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "train last 2 block(s)" in out and "planning" not in out
     assert command.main(["--model", "llama3-8b", "--plan", "--gpu-memory", "80"]) == 0
+    out = capsys.readouterr().out
+    assert "planning llama3-8b as a pretrained checkpoint: --train-last 2 (the default for pretrained weights)" in out
+    assert "train last 2 block(s)" in out and "FITS on" in out
+    assert command.main(["--model", "llama3-8b", "--train-last", "all", "--plan", "--gpu-memory", "80"]) == 0
+    out = capsys.readouterr().out
+    assert "train all blocks and the embedding" in out and "planning" not in out
+    assert command.main(["--model", "tiny", "--plan", "--gpu-memory", "80"]) == 0
     assert "train all blocks and the embedding" in capsys.readouterr().out
 
 
