@@ -29,7 +29,7 @@ from .distributed import Dist
 from .download import DownloadError
 from .model import Llama
 from .plan import count_parameters
-from .plan_report import plan_command
+from .plan_report import plan_command, plans_from_scratch
 from .prefix_cache import cache_bytes, compute_frozen_states, frozen_blocks
 from .run_dir import (
     BEST_FILE,
@@ -299,7 +299,7 @@ def run(args: argparse.Namespace) -> dict:
     if args.plan:  # before the process group, the data and the weights: nothing is allocated
         if args.model is None:  # the default model may have to be downloaded: a plan names its model instead
             raise ValueError("--plan needs --model: a preset (e.g. llama3-8b), a checkpoint directory or a repo id")
-        return plan_command(args, chosen_train_last(args.train_last, trains_from_scratch(args.model)))
+        return plan_command(args, chosen_train_last(args.train_last, plans_from_scratch(args.model)))
     env, device = distributed.setup(args.device)
     log = print if env.is_main else (lambda *a, **k: None)
     if not env.is_main:

@@ -31,6 +31,11 @@ FP32 = 4  # bytes: RMSNorm and rotary embedding compute in float32 whatever the 
 OPTIMIZER_STATES = ("param", "float32")  # see train.make_optimizer
 
 
+def with_margin(n: int) -> int:
+    """The GPU memory to ask for `n` bytes of tensors: 5% and 0.5 GiB more for the CUDA context and fragmentation."""
+    return int(n * 1.05) + GiB // 2
+
+
 @dataclass(frozen=True)
 class Recipe:
     """What a training run looks like to memory. `batch_size` is per process (per GPU)."""
@@ -247,7 +252,7 @@ class MemoryPlan:
 
     def required(self) -> int:
         """The GPU memory to ask for: the peak plus room for the CUDA context and allocator fragmentation."""
-        return int(self.peak * 1.05) + GiB // 2
+        return with_margin(self.peak)
 
     def fits(self, gpu_bytes: int) -> bool:
         return self.required() <= gpu_bytes

@@ -3,6 +3,7 @@ live tensors of real training steps on CPU, the --plan command, and the CPU shap
 
 import dataclasses
 import json
+import re
 import sys
 from pathlib import Path
 
@@ -151,7 +152,7 @@ def test_plan_command_prints_without_loading_anything(monkeypatch, capsys):
     assert "8,030,261,248 backbone" in out and "FITS on" in out and "DOES NOT FIT" not in out
 
     everything = ["--model", "llama3-8b", "--train-last", "all", "--max-length", "512", "--plan", "--gpu-memory", "80"]
-    assert command.main([*everything, "--optimizer-state", "float32"]) == 0
+    assert command.main([*everything, "--optimizer-state", "float32"]) == 2
     assert "DOES NOT FIT" in capsys.readouterr().out  # 12 bytes of state per parameter: 90 GB before anything else
     assert command.main([*everything, "--gradient-checkpointing"]) == 0
     assert "FITS on" in capsys.readouterr().out
@@ -160,15 +161,74 @@ def test_plan_command_prints_without_loading_anything(monkeypatch, capsys):
 
 
 def test_plan_defaults_are_the_runs_defaults(tmp_path, capsys):
-    """Without --train-last the plan assumes what a run would do: the last 2 blocks of a pretrained checkpoint
-    (only its config.json is read), everything for a preset's random weights."""
+    """Without --train-last the plan assumes what a run of the checkpoint would do: the last 2 blocks of a pretrained
+    checkpoint (only its config.json is read), and the same for a preset named on --plan, which stands for its
+    published checkpoint. 'tiny' has none: everything trains. Explicit flags win."""
     pretrained = tmp_path / "Meta-Llama-3-8B"
     pretrained.mkdir()
     (pretrained / "config.json").write_text(json.dumps(LlamaConfig.from_name("llama3-8b").to_hf_dict()))
     assert command.main(["--model", str(pretrained), "--plan", "--gpu-memory", "80"]) == 0
-    assert "train last 2 block(s)" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "train last 2 block(s)" in out and "planning" not in out
     assert command.main(["--model", "llama3-8b", "--plan", "--gpu-memory", "80"]) == 0
+    out = capsys.readouterr().out
+    assert "planning llama3-8b as a pretrained checkpoint: --train-last 2 (the default for pretrained weights)" in out
+    assert "train last 2 block(s)" in out and "FITS on" in out
+    assert command.main(["--model", "llama3-8b", "--train-last", "all", "--plan", "--gpu-memory", "80"]) == 0
+    out = capsys.readouterr().out
+    assert "train all blocks and the embedding" in out and "planning" not in out
+    assert command.main(["--model", "tiny", "--plan", "--gpu-memory", "80"]) == 0
     assert "train all blocks and the embedding" in capsys.readouterr().out
+
+
+def plan_output(argv: list[str], capsys) -> tuple[int, str]:
+    code = command.main(["--model", "llama3-8b", "--plan", *argv])
+    captured = capsys.readouterr()
+    return code, captured.out + captured.err
+
+
+def suggested(out: str) -> list[list[str]]:
+    """The flags of each option the plan says fits instead."""
+    return [m.group(1).split() for m in re.finditer(r"^    (--\S.*?)\s+needs ", out, re.MULTILINE)]
+
+
+def test_plan_that_does_not_fit_exits_2_and_names_the_weights_first(capsys):
+    """70B in bfloat16 is 131 GiB of weights: no option of one process helps, so none is offered."""
+    code = command.main(["--model", "llama3-70b", "--plan", "--gpu-memory", "80"])
+    captured = capsys.readouterr()
+    out = captured.out
+    assert code == 2 and "error: the plan needs" in captured.err
+    first = "the first part that does not fit: the bfloat16 weights alone (131.4 GiB) exceed the GPU's 80 GiB"
+    assert first in out and "FSDP" in out
+    assert suggested(out) == [] and "--gradient-checkpointing" not in out and "--batch-size" not in out
+
+
+def test_activations_that_do_not_fit_get_options_that_fit(capsys):
+    """8B, every block at 8 x 1024 tokens: weights, state and gradients fit 80 GiB, the backward's activations do
+    not. Checkpointing is offered, and every option offered fits when planned again."""
+    argv = ["--train-last", "all", "--max-length", "1024", "--gpu-memory", "80"]
+    code, out = plan_output(argv, capsys)
+    assert code == 2 and "the first part that does not fit: the activations" in out
+    options = suggested(out)
+    assert ["--gradient-checkpointing"] in options
+    for flags in options:
+        code, again = plan_output([*argv, *flags], capsys)
+        assert code == 0 and "FITS on" in again, flags
+
+
+def test_too_many_trained_blocks_get_the_most_that_fit(capsys):
+    """8B, every block on 24 GiB: the optimizer state and gradients alone are 42 GiB. The plan offers the largest
+    --train-last that fits: it fits, one more does not."""
+    argv = ["--train-last", "all", "--gpu-memory", "24"]
+    code, out = plan_output(argv, capsys)
+    assert code == 2 and "the first part that does not fit: the weights, optimizer state and gradients" in out
+    assert "--gradient-checkpointing --batch-size" not in out
+    blocks = [flags[1] for flags in suggested(out) if flags[0] == "--train-last"]
+    assert blocks and blocks[0].isdigit()
+    code, again = plan_output([*argv, "--train-last", blocks[0]], capsys)
+    assert code == 0 and "FITS on" in again
+    code, _ = plan_output([*argv, "--train-last", str(int(blocks[0]) + 1)], capsys)
+    assert code == 2
 
 
 def test_format_plan_names_every_part():
