@@ -114,7 +114,8 @@ def test_a_txt_file_stays_one_text_per_line(run, tmp_path, capsys):
     assert "notes.txt line 2: empty text" in err
 
 
-def test_bad_inputs_are_one_line_before_the_model_loads(run, tmp_path, capsys):
+def test_bad_inputs_are_one_line_before_the_model_loads(run, tmp_path, capsys, monkeypatch):
+    monkeypatch.setattr(classify, "load_classifier", lambda *a, **k: pytest.fail("the model was loaded"))
     utf16 = tmp_path / "utf16.csv"
     utf16.write_bytes("text,label\nhi,ham\n".encode("utf-16"))
     headerless = tmp_path / "three.csv"
