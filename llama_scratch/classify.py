@@ -1,12 +1,16 @@
 """Label texts with a fine-tuned classifier: `python -m llama_scratch.classify --checkpoint runs/X "some text"`.
 
 The base model is streamed onto the device first (the same low-memory path as training), then the trained
-parameters from `classifier.safetensors` are put in place.
+parameters from `classifier.safetensors` are put in place. Texts come from the command line, a file with one
+per line, or a CSV/TSV/JSONL table; with `--labels`, the table's label column is compared with the predictions
+(accuracy, per-class precision/recall/F1, confusion matrix); `--output` writes every class's probability to a CSV.
 """
 
 from __future__ import annotations
 
 import argparse
+import csv
+import io
 import json
 import sys
 from pathlib import Path
@@ -15,17 +19,22 @@ import torch
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_file
 
+from .atomic import write_text_atomic
 from .batching import collate, length_sorted_batches
 from .classifier import LlamaClassifier
+from .classify_inputs import Inputs, read_inputs
 from .config import PRESETS, LlamaConfig, parse_dtype
+from .data import DataError
 from .devices import choose_dtype, resolve_device
 from .download import DownloadError
 from .model import Llama
 from .plan import count_parameters
 from .sources import load_model
 from .tokenizer import Tokenizer
-from .train import RESUME_FILE
+from .train import RESUME_FILE, per_class
 from .weights import CheckpointError, copy_named_tensors
+
+SHOWN_SKIPS = 5  # skipped inputs named in the note; the rest are counted
 
 
 def load_classifier(
@@ -34,14 +43,9 @@ def load_classifier(
     """A fine-tuned classifier from a `finetune_classifier` output directory, its tokenizer and its settings.
     `model` points at the base checkpoint when it is no longer where the run recorded it."""
     run_dir, device = Path(run_dir), resolve_device(str(device))
-    meta_path, weights_path = run_dir / "classifier.json", run_dir / "classifier.safetensors"
-    if (run_dir / RESUME_FILE).is_file() and not meta_path.is_file():
-        raise FileNotFoundError(f"{run_dir} holds an unfinished run: finish it with finetune_classifier --resume")
-    for path in (meta_path, weights_path):
-        if not path.is_file():
-            raise FileNotFoundError(f"{path} not found: is {run_dir} the --output of a finished fine-tuning run?")
-    meta = read_run_files(meta_path, weights_path)
-    cfg = LlamaConfig.from_hf_dict(meta["config"], source=str(meta_path))
+    meta = run_description(run_dir)
+    weights_path = run_dir / "classifier.safetensors"
+    cfg = LlamaConfig.from_hf_dict(meta["config"], source=str(run_dir / "classifier.json"))
     trained_in = parse_dtype(meta["dtype"])  # a float32 copy that would not fit keeps the training dtype
     torch_dtype = choose_dtype(dtype, device, trained_in, count_parameters(cfg).backbone)
     if dtype == "auto" and torch_dtype != torch.float32:  # the device computes low precision well: use what
@@ -67,6 +71,18 @@ def load_classifier(
     else:  # the base checkpoint's own: where it is now, if it moved
         tokenizer = Tokenizer.for_checkpoint(base if base and Path(base).is_dir() else meta["tokenizer"])
     return clf, tokenizer, meta
+
+
+def run_description(run_dir: Path) -> dict:
+    """A finished run's classifier.json, checked against its weights file; cheap, so bad input fails before the
+    model loads (the label names are needed to read a labelled file)."""
+    meta_path, weights_path = run_dir / "classifier.json", run_dir / "classifier.safetensors"
+    if (run_dir / RESUME_FILE).is_file() and not meta_path.is_file():
+        raise FileNotFoundError(f"{run_dir} holds an unfinished run: finish it with finetune_classifier --resume")
+    for path in (meta_path, weights_path):
+        if not path.is_file():
+            raise FileNotFoundError(f"{path} not found: is {run_dir} the --output of a finished fine-tuning run?")
+    return read_run_files(meta_path, weights_path)
 
 
 def find_base_model(meta: dict, run_dir: Path, override: str | Path | None) -> str:
@@ -115,61 +131,177 @@ def read_run_files(meta_path: Path, weights_path: Path) -> dict:
 
 
 @torch.inference_mode()
-def predict(
+def predict_proba(
     clf: LlamaClassifier, tokenizer: Tokenizer, texts: list[str], max_length: int | None = None, batch_size: int = 16
-) -> list[tuple[int, float]]:
-    """(class id, probability) per text, in input order. Texts are cut to `max_length` tokens only if asked (by
-    default, to the model's context: the training run's length limit is no limit here). Batched by length."""
+) -> torch.Tensor:
+    """Every class's probability per text, [texts, classes] in float32 on the CPU, in input order. Texts are cut
+    to `max_length` tokens only if asked (by default, to the model's context: the training run's length limit is
+    no limit here). Batched by length, so each batch pads little."""
     device = clf.head.weight.device
     ids = [tokenizer.encode(t, bos=True)[: max_length or clf.backbone.cfg.max_seq_len] for t in texts]
-    out: list[tuple[int, float]] = [(0, 0.0)] * len(ids)
+    out = torch.zeros(len(ids), clf.head.out_features)
     for rows in length_sorted_batches([len(x) for x in ids], batch_size):
         batch = collate([(ids[i], 0) for i in rows], tokenizer.pad_id)
-        probs = clf(batch["input_ids"].to(device), batch["attention_mask"].to(device)).float().softmax(-1)
-        best = probs.max(-1)
-        for i, label, p in zip(rows, best.indices.tolist(), best.values.tolist(), strict=True):
-            out[i] = (label, p)
+        logits = clf(batch["input_ids"].to(device), batch["attention_mask"].to(device))
+        out[rows] = logits.float().softmax(-1).cpu()
     return out
 
 
-def main(argv: list[str] | None = None) -> int:
+def predict(
+    clf: LlamaClassifier, tokenizer: Tokenizer, texts: list[str], max_length: int | None = None, batch_size: int = 16
+) -> list[tuple[int, float]]:
+    """(class id, probability) per text, in input order: the most probable class of `predict_proba`."""
+    return best(predict_proba(clf, tokenizer, texts, max_length, batch_size))
+
+
+def best(probs: torch.Tensor) -> list[tuple[int, float]]:
+    """(class id, probability) of each row's most probable class; on a tie, the lower class id."""
+    top = probs.max(-1)
+    return list(zip(top.indices.tolist(), top.values.tolist(), strict=True))
+
+
+# ---------------------------------------------------------------------------------------------- outputs
+
+
+def scored_csv(inputs: Inputs, probs: torch.Tensor, label_names: list[str]) -> str:
+    """Per text: the text, the predicted class and its probability, every class's probability, the file's label."""
+    out = io.StringIO()
+    writer = csv.writer(out, lineterminator="\n")  # "\n": write_text turns it into the platform's line end
+    header = ["text", "predicted", "probability", *(f"p_{name}" for name in label_names)]
+    writer.writerow(header + ["label"] if inputs.labels is not None else header)
+    for i, (text, (k, p)) in enumerate(zip(inputs.texts, best(probs), strict=True)):
+        row = [text, label_names[k], f"{p:.6f}", *(f"{q:.6f}" for q in probs[i].tolist())]
+        writer.writerow(row + [inputs.labels[i]] if inputs.labels is not None else row)
+    return out.getvalue()
+
+
+def evaluation_report(truth: list[str], predicted: list[str], label_names: list[str]) -> str:
+    """Accuracy, per-class precision/recall/F1/support (train.per_class) and the confusion matrix, as text."""
+    index = {name: k for k, name in enumerate(label_names)}
+    confusion = [[0] * len(label_names) for _ in label_names]  # [true, predicted]
+    for t, p in zip(truth, predicted, strict=True):
+        confusion[index[t]][index[p]] += 1
+    correct = sum(confusion[k][k] for k in range(len(label_names)))
+    w = max(5, *map(len, label_names))
+    lines = [f"accuracy {correct / len(truth):.2%} ({correct:,} of {len(truth):,})",
+             f"{'class':<{w}}  precision  recall     F1  support"]  # fmt: skip
+    for name, m in per_class(confusion, label_names).items():
+        lines.append(f"{name:<{w}}  {m['precision']:9.3f}  {m['recall']:6.3f}  {m['f1']:5.3f}  {m['support']:7,}")
+    cw = max(len(f"{len(truth):,}"), *map(len, label_names))
+    lines.append("confusion matrix (rows: true class, columns: predicted):")
+    lines.append(" " * w + "".join(f"  {name:>{cw}}" for name in label_names))
+    lines += [
+        f"{name:<{w}}" + "".join(f"  {c:>{cw},}" for c in row) for name, row in zip(label_names, confusion, strict=True)
+    ]
+    return "\n".join(lines)
+
+
+# ---------------------------------------------------------------------------------------------- command line
+
+
+def positive_int(text: str) -> int:
+    """An argparse type: 0 would make empty batches or cut every text to nothing."""
+    if not text.strip().isdigit() or int(text) < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive whole number, got {text!r}")
+    return int(text)
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m llama_scratch.classify", description=__doc__.splitlines()[0])
     p.add_argument("--checkpoint", required=True, type=Path, help="output directory of finetune_classifier")
     p.add_argument("texts", nargs="*", help="texts to classify")
-    p.add_argument("--file", help="a file with one text per line ('-': standard input)")
+    p.add_argument(
+        "--file",
+        help="texts to classify: a .csv, .tsv or .jsonl table (its text column found by name, as in training), or "
+        "one text per line (.txt and any other file; '-': standard input)",
+    )
+    p.add_argument(
+        "--text-column",
+        metavar="NAME",
+        help="the table's text column or JSONL key, when its name is not a usual one (text, sentence, message, "
+        "...); a 0-based number for a file without a header",
+    )
+    p.add_argument(
+        "--labels",
+        action="store_true",
+        help="the file also has a label column: print accuracy, per-class precision/recall/F1 and the confusion "
+        "matrix (a .txt file is then read as a tab- or comma-separated table, as in training)",
+    )
+    p.add_argument("--label-column", metavar="NAME", help="the file's label column or key (implies --labels)")
+    p.add_argument(
+        "--output",
+        type=Path,
+        metavar="FILE.csv",
+        help="write a CSV (text, predicted, probability, p_<class> for each class, and label with --labels) instead "
+        "of printing a line per text",
+    )
+    p.add_argument("--overwrite", action="store_true", help="replace an existing --output file")
     p.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N")
     p.add_argument(
         "--dtype",
         default="auto",
         help="auto (the training dtype on a GPU with bfloat16, else float32) | bfloat16 | float32",
     )
-    p.add_argument("--batch-size", type=int, default=16)
-    p.add_argument("--max-length", type=int, help="cut texts to this many tokens (default: the model's context, "
-                   "whatever the training run used)")  # fmt: skip
+    p.add_argument("--batch-size", type=positive_int, default=16)
+    p.add_argument(
+        "--max-length",
+        type=positive_int,
+        help="cut texts to this many tokens (default: the model's context, whatever the training run used)",
+    )
     p.add_argument("--model", help="the base checkpoint directory, when it moved since training")
     args = p.parse_args(argv)
-    texts = list(args.texts)
-    if args.file:
-        try:
-            handle = sys.stdin if args.file == "-" else open(args.file, encoding="utf-8")  # noqa: SIM115
-        except OSError as e:
-            print(f"error: cannot read {args.file}: {e.strerror}", file=sys.stderr)
-            return 2
-        with handle:
-            texts += [line.rstrip("\r\n") for line in handle if line.strip()]
-    if not texts:
+    args.labels = args.labels or args.label_column is not None
+    if not args.texts and not args.file:
         p.error("give texts to classify, or --file")
+    if (args.labels or args.text_column is not None) and not args.file:
+        p.error("--labels, --label-column and --text-column read a --file")
+    if args.labels and args.texts:
+        p.error("--labels: texts given on the command line have no label; put them in the --file")
+    return args
+
+
+def run(args: argparse.Namespace) -> None:
+    """Check everything cheap first (output, device, run, input file), then load the model and classify."""
+    if args.output and args.output.exists() and (args.output.is_dir() or not args.overwrite):
+        why = "is a directory" if args.output.is_dir() else "exists; pass --overwrite to replace it"
+        raise DataError(f"--output {args.output} {why}")
+    device = resolve_device(args.device)
+    names = run_description(args.checkpoint)["label_names"]
+    inputs = read_inputs(args.texts, args.file, args.text_column, args.label_column, args.labels, names)
+    if inputs.skipped:
+        more = f" (and {len(inputs.skipped) - SHOWN_SKIPS:,} more)" if len(inputs.skipped) > SHOWN_SKIPS else ""
+        shown = "; ".join(inputs.skipped[:SHOWN_SKIPS])
+        print(f"note: left out {len(inputs.skipped):,} input(s): {shown}{more}", file=sys.stderr)
+    if not inputs.texts:
+        raise DataError(f"{args.file or 'the arguments'}: no text to classify")
+    clf, tokenizer, _ = load_classifier(args.checkpoint, device, args.dtype, args.model)
+    max_length = args.max_length or clf.backbone.cfg.max_seq_len
+    if cut := sum(len(tokenizer.encode(t, bos=True)) > max_length for t in inputs.texts):
+        why = "--max-length" if args.max_length else "the model's context"
+        print(f"note: {cut} text(s) longer than {max_length} tokens ({why}) were cut to that", file=sys.stderr)
+    probs = predict_proba(clf, tokenizer, inputs.texts, max_length, args.batch_size)
+    picks = best(probs)
+    if args.output:
+        try:
+            write_text_atomic(args.output, scored_csv(inputs, probs, names))
+        except OSError as e:
+            raise DataError(f"cannot write --output {args.output}: {e.strerror or e}") from None
+        print(f"wrote {len(inputs.texts):,} rows to {args.output}", file=sys.stderr)
+    else:
+        for text, (label, prob) in zip(inputs.texts, picks, strict=True):
+            print(f"{names[label]}\t{prob:.3f}\t{text}")
+    if inputs.labels is not None:
+        print(evaluation_report(inputs.labels, [names[k] for k, _ in picks], names))
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
     try:
-        clf, tokenizer, meta = load_classifier(args.checkpoint, args.device, args.dtype, args.model)
+        run(args)
+    # DataError, DeviceError and CheckpointError are ValueErrors: bad input, told in one line.
     except (FileNotFoundError, ValueError, DownloadError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    max_length = args.max_length or clf.backbone.cfg.max_seq_len
-    if cut := sum(len(tokenizer.encode(t, bos=True)) > max_length for t in texts):
-        why = "--max-length" if args.max_length else "the model's context"
-        print(f"note: {cut} text(s) longer than {max_length} tokens ({why}) were cut to that", file=sys.stderr)
-    for text, (label, prob) in zip(texts, predict(clf, tokenizer, texts, max_length, args.batch_size), strict=True):
-        print(f"{meta['label_names'][label]}\t{prob:.3f}\t{text}")
     return 0
 
 

@@ -1,0 +1,144 @@
+"""classify on a user's files: tables in, a CSV of every class's probability out, and with --labels the file's
+accuracy, per-class figures and confusion matrix. One tiny run is trained for the whole module."""
+
+import csv
+import json
+import re
+
+import pytest
+
+from llama_scratch import classify, finetune_classifier
+from llama_scratch.classify_inputs import choose_columns, known_label
+
+from .test_finetune import args_for
+
+
+@pytest.fixture(scope="module")
+def run(small_csv, tmp_path_factory):
+    out = tmp_path_factory.mktemp("classify") / "run"
+    assert finetune_classifier.main(args_for(small_csv, out, "--max-steps", "1")) == 0
+    return out
+
+
+def classify_ok(capsys, *argv) -> tuple[str, str]:
+    """Run classify, expect success, return its (stdout, stderr)."""
+    capsys.readouterr()
+    assert classify.main(["--checkpoint", *map(str, argv)]) == 0
+    captured = capsys.readouterr()
+    return captured.out, captured.err
+
+
+def classify_fails(capsys, *argv) -> str:
+    """Run classify, expect one `error:` line and exit status 2, return that line."""
+    capsys.readouterr()
+    assert classify.main(["--checkpoint", *map(str, argv)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and err.count("\n") == 1, err
+    return err
+
+
+def read_rows(path) -> list[dict]:
+    with open(path, newline="", encoding="utf-8") as f:
+        return list(csv.DictReader(f))
+
+
+def test_a_csv_in_gives_every_class_probability_out_and_the_stdout_predictions(run, small_csv, tmp_path, capsys):
+    out, err = classify_ok(capsys, run, "--file", small_csv, "--output", tmp_path / "scored.csv")
+    assert out == "" and "wrote 96 rows" in err
+    rows = read_rows(tmp_path / "scored.csv")
+    with open(small_csv, newline="") as f:
+        texts = [row["message"] for row in csv.DictReader(f)]
+    assert list(rows[0]) == ["text", "predicted", "probability", "p_ham", "p_spam"]
+    assert [r["text"] for r in rows] == texts  # one row per input, in input order
+    for r in rows:
+        probs = {name: float(r[f"p_{name}"]) for name in ("ham", "spam")}
+        assert sum(probs.values()) == pytest.approx(1, abs=1e-5)
+        assert r["predicted"] == max(probs, key=probs.get) and float(r["probability"]) == max(probs.values())
+    printed, _ = classify_ok(capsys, run, "--file", small_csv)
+    assert [line.split("\t")[0] for line in printed.splitlines()] == [r["predicted"] for r in rows]
+
+
+def test_labels_print_the_accuracy_and_confusion_matrix_of_the_output_csv(run, small_csv, tmp_path, capsys):
+    report, _ = classify_ok(capsys, run, "--file", small_csv, "--labels", "--output", tmp_path / "scored.csv")
+    rows = read_rows(tmp_path / "scored.csv")
+    correct = sum(r["predicted"] == r["label"] for r in rows)
+    assert f"accuracy {correct / len(rows):.2%} ({correct} of {len(rows)})" in report
+    lines = report.splitlines()
+    assert lines[1].split() == ["class", "precision", "recall", "F1", "support"]
+    assert [line.split()[0] for line in lines[2:4]] == ["ham", "spam"] and lines[2].split()[-1] == "48"
+    at = lines.index("confusion matrix (rows: true class, columns: predicted):")
+    assert lines[at + 1].split() == ["ham", "spam"]
+    matrix = [[int(c) for c in line.split()[1:]] for line in lines[at + 2 :]]
+    assert len(matrix) == 2 and sum(map(sum, matrix)) == len(rows) and matrix[0][0] + matrix[1][1] == correct
+    assert matrix[1][0] == sum(r["label"] == "spam" and r["predicted"] == "ham" for r in rows)  # rows are true
+
+
+def test_an_unknown_label_is_one_error_naming_the_line_and_the_known_labels(run, tmp_path, capsys):
+    data = tmp_path / "new.csv"
+    data.write_text("text,label\nhello there,ham\nwin a prize,spamm\n")
+    err = classify_fails(capsys, run, "--file", data, "--labels", "--output", tmp_path / "scored.csv")
+    assert "new.csv line 3" in err and "'spamm'" in err and "(ham, spam)" in err
+    assert not (tmp_path / "scored.csv").exists()
+
+
+def test_an_existing_output_is_refused_and_left_untouched_unless_overwrite(run, tmp_path, capsys):
+    target = tmp_path / "scored.csv"
+    target.write_text("my earlier results\n")
+    assert "--overwrite" in classify_fails(capsys, run, "hello", "--output", target)
+    assert target.read_text() == "my earlier results\n"
+    classify_ok(capsys, run, "hello", "--output", target, "--overwrite")
+    assert [r["text"] for r in read_rows(target)] == ["hello"]
+
+
+def test_jsonl_input_with_labels_and_empty_texts_left_out_with_a_count(run, small_csv, tmp_path, capsys):
+    with open(small_csv, newline="") as f:
+        rows = list(csv.DictReader(f))[::12]
+    data = tmp_path / "new.jsonl"
+    lines = [json.dumps({"Text": r["message"], "category": r["category"]}) for r in rows]
+    data.write_text("\n".join([*lines, '{"Text": " ", "category": "ham"}', "[1, 2]"]) + "\n")
+    report, err = classify_ok(capsys, run, "--file", data, "--labels", "--output", tmp_path / "scored.csv")
+    assert "left out 2 input(s)" in err and f"line {len(rows) + 1}: empty text" in err
+    scored = read_rows(tmp_path / "scored.csv")
+    assert [r["text"] for r in scored] == [r["message"] for r in rows]
+    assert [r["label"] for r in scored] == [r["category"] for r in rows]
+    assert re.search(rf"\(\d+ of {len(rows)}\)", report)
+    as_arguments, _ = classify_ok(capsys, run, *[r["message"] for r in rows])
+    assert [line.split("\t")[0] for line in as_arguments.splitlines()] == [r["predicted"] for r in scored]
+
+
+def test_a_txt_file_stays_one_text_per_line(run, tmp_path, capsys):
+    notes = tmp_path / "notes.txt"
+    notes.write_text("first, with a comma\tand a tab\n\nsecond\n")
+    out, err = classify_ok(capsys, run, "--file", notes)
+    assert [line.split("\t", 2)[2] for line in out.splitlines()] == ["first, with a comma\tand a tab", "second"]
+    assert "notes.txt line 2: empty text" in err
+
+
+def test_bad_inputs_are_one_line_before_the_model_loads(run, tmp_path, capsys, monkeypatch):
+    monkeypatch.setattr(classify, "load_classifier", lambda *a, **k: pytest.fail("the model was loaded"))
+    utf16 = tmp_path / "utf16.csv"
+    utf16.write_bytes("text,label\nhi,ham\n".encode("utf-16"))
+    headerless = tmp_path / "three.csv"
+    headerless.write_text("a,b,c\nd,e,f\n")
+    (tmp_path / "x.json").write_text("{}")
+    for argv, expected in (
+        (["--file", tmp_path / "missing.csv"], "No such file"),
+        (["--file", tmp_path / "x.json"], ".jsonl"),
+        (["--file", utf16], "UTF-16"),
+        (["--file", headerless], "--text-column"),
+        (["--file", headerless, "--text-column", "7"], "0-based"),
+        (["--file", headerless, "--labels", "--text-column", "0"], "--label-column"),
+        (["hello", "--output", tmp_path], "is a directory"),
+    ):
+        assert expected in classify_fails(capsys, run, *argv)
+
+
+def test_columns_and_labels_are_found_as_in_training():
+    names = ["0", "1"]
+    assert known_label(" 01 ", names) == "1" and known_label("+0", names) == "0" and known_label("2", names) is None
+    assert known_label("spam", ["ham", "spam"]) == "spam" and known_label("Spam", ["ham", "spam"]) is None
+    no_header = [(1, ["great film", "1"]), (2, ["dull", "0"])]
+    assert choose_columns(no_header, "f", None, None, True, names)[1:] == (2, 0, 1)  # label: only label names
+    header = [(1, ["id", " Review ", "stars"]), (2, ["7", "fine", "1"])]
+    assert choose_columns(header, "f", None, "stars", True, names) == (header[1:], 3, 1, 2)
+    assert choose_columns(header, "f", None, None, False, names)[2:] == (1, None)
