@@ -361,6 +361,67 @@ def finish_epoch(state: TrainState, val: dict, complete: bool, on_best, env: Dis
         state.epoch, state.batches_done, state.epoch_sums = state.epoch + 1, 0, [0.0, 0.0, 0.0]
 
 
+@dataclass
+class Loop:
+    """What every step of one run uses: the model and its optimizer, the settings, and where progress goes."""
+
+    model: nn.Module
+    optimizer: torch.optim.Optimizer
+    scheduler: torch.optim.lr_scheduler.LRScheduler
+    s: TrainSettings
+    env: Dist
+    device: torch.device
+    pad_id: int
+    total: int  # optimizer steps the schedule runs for
+    resume_path: Path
+    identity: dict
+
+    def save_point(self, state: TrainState) -> None:
+        if self.env.is_main:
+            parts = (self.model, self.optimizer, self.scheduler, state, self.s, self.identity)
+            save_resume_point(self.resume_path, *parts)
+
+
+def train_epoch(loop: Loop, split: Split, state: TrainState) -> bool:
+    """The optimizer steps of one epoch, from where `state` stands; True when the epoch ran to its end (False when
+    the run's step limit came first)."""
+    s, env = loop.s, loop.env
+    batches = epoch_batches(len(split.ids), state.epoch, s, env)
+    bar = tqdm(
+        total=len(batches) // s.grad_accum,
+        initial=state.batches_done // s.grad_accum,
+        desc=f"epoch {state.epoch + 1}/{s.epochs}",
+        disable=not env.is_main,
+    )
+    started = time.perf_counter()
+    for k in range(state.batches_done, len(batches), s.grad_accum):
+        sums, tokens = train_step(loop.model, split, batches[k : k + s.grad_accum], loop.pad_id, s, env, loop.device)
+        params = [p for p in loop.model.parameters() if p.requires_grad]
+        norm = nn.utils.clip_grad_norm_(params, s.clip_grad if s.clip_grad > 0 else float("inf"))
+        totals = distributed.all_sum(torch.cat([sums, norm.detach().to(sums).view(1)])).tolist()  # one sync a step
+        check_finite(totals, state, loop.resume_path)
+        with interrupts_deferred():  # weights, optimizer, schedule and counters move together
+            loop.optimizer.step()
+            loop.scheduler.step()
+            # Alone, freeing gradients lowers the next forward's peak; under DDP they are views of its
+            # all-reduce buckets (distributed.wrap), which must be kept: zero them instead.
+            loop.optimizer.zero_grad(set_to_none=not env.enabled)
+            state.step += 1
+            state.batches_done = k + s.grad_accum
+            state.epoch_sums = [a + b for a, b in zip(state.epoch_sums, totals[:3], strict=True)]
+            state.train_tokens += tokens  # counted with the step: a resumed run's tokens/s covers each step once
+            now = time.perf_counter()
+            state.train_seconds, started = state.train_seconds + now - started, now
+        bar.update(1)
+        bar.set_postfix(loss=f"{totals[0] / max(totals[2], 1):.4f}", lr=f"{loop.scheduler.get_last_lr()[0]:.2e}")
+        if state.step % s.save_every == 0:
+            loop.save_point(state)
+        if state.step >= loop.total:
+            break
+    bar.close()
+    return state.batches_done >= len(batches)
+
+
 def train(
     model: nn.Module,
     splits: dict[str, Split],
@@ -383,61 +444,22 @@ def train(
     total = steps_per_epoch * s.epochs if s.max_steps is None else min(s.max_steps, steps_per_epoch * s.epochs)
     optimizer = make_optimizer(model, s)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: lr_factor(step, total, s))
-    resume_path = out_dir / RESUME_FILE
     identity = {"world_size": env.world_size, **(run_identity or {})}
+    loop = Loop(model, optimizer, scheduler, s, env, device, pad_id, total, out_dir / RESUME_FILE, identity)
     state = TrainState()
-    if resume and resume_path.exists():
-        state = load_resume_point(resume_path, model, optimizer, scheduler, s, identity)
-        log(f"resuming from {resume_path}: epoch {state.epoch + 1}, step {state.step}")
+    if resume and loop.resume_path.exists():
+        state = load_resume_point(loop.resume_path, model, optimizer, scheduler, s, identity)
+        log(f"resuming from {loop.resume_path}: epoch {state.epoch + 1}, step {state.step}")
     elif resume:
-        log(f"--resume: no resume point at {resume_path}; starting from the beginning")
-
-    def save_point() -> None:
-        if env.is_main:
-            save_resume_point(resume_path, model, optimizer, scheduler, state, s, identity)
-
+        log(f"--resume: no resume point at {loop.resume_path}; starting from the beginning")
     model.train()
     try:
         while state.epoch < s.epochs and state.step < total:
-            batches = epoch_batches(len(splits["train"].ids), state.epoch, s, env)
-            bar = tqdm(
-                total=len(batches) // s.grad_accum,
-                initial=state.batches_done // s.grad_accum,
-                desc=f"epoch {state.epoch + 1}/{s.epochs}",
-                disable=not env.is_main,
-            )
-            started = time.perf_counter()
-            for k in range(state.batches_done, len(batches), s.grad_accum):
-                sums, tokens = train_step(model, splits["train"], batches[k : k + s.grad_accum], pad_id, s, env, device)
-                params = [p for p in model.parameters() if p.requires_grad]
-                norm = nn.utils.clip_grad_norm_(params, s.clip_grad if s.clip_grad > 0 else float("inf"))
-                totals = distributed.all_sum(torch.cat([sums, norm.detach().to(sums).view(1)])).tolist()  # one sync
-                check_finite(totals, state, resume_path)
-                with interrupts_deferred():  # weights, optimizer, schedule and counters move together
-                    optimizer.step()
-                    scheduler.step()
-                    # Alone, freeing gradients lowers the next forward's peak; under DDP they are views of its
-                    # all-reduce buckets (distributed.wrap), which must be kept: zero them instead.
-                    optimizer.zero_grad(set_to_none=not env.enabled)
-                    state.step += 1
-                    state.batches_done = k + s.grad_accum
-                    state.epoch_sums = [a + b for a, b in zip(state.epoch_sums, totals[:3], strict=True)]
-                    # Counted with the step, so that a resumed run's tokens/s covers each step once.
-                    state.train_tokens += tokens
-                    now = time.perf_counter()
-                    state.train_seconds, started = state.train_seconds + now - started, now
-                bar.update(1)
-                bar.set_postfix(loss=f"{totals[0] / max(totals[2], 1):.4f}", lr=f"{scheduler.get_last_lr()[0]:.2e}")
-                if state.step % s.save_every == 0:
-                    save_point()
-                if state.step >= total:
-                    break
-            bar.close()
-            complete = state.batches_done >= len(batches)
+            complete = train_epoch(loop, splits["train"], state)
             val = evaluate(model, splits["val"], num_classes, pad_id, s, env, device, "evaluating val")
             with interrupts_deferred():  # the epoch's record, best weights and resume point: all or nothing
                 finish_epoch(state, val, complete, on_best, env, log)
-                save_point()
+                loop.save_point(state)
             if not complete:
                 break  # max_steps reached inside the epoch
             if s.patience and state.epoch - state.best_epoch >= s.patience:
@@ -445,7 +467,7 @@ def train(
                 break
     except KeyboardInterrupt:
         # Gradients of an unfinished step are discarded: the saved point is the last whole step.
-        save_point()
-        log(f"\ninterrupted: progress saved to {resume_path}; continue with --resume")
+        loop.save_point(state)
+        log(f"\ninterrupted: progress saved to {loop.resume_path}; continue with --resume")
         raise
     return state
