@@ -7,9 +7,11 @@ row, and `length_sorted_batches` groups rows of similar length so that little co
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Protocol
 
 import torch
+from torch import nn
 from tqdm import tqdm
 
 
@@ -74,3 +76,37 @@ def length_sorted_batches(
     """
     rows = sorted(range(len(lengths)), key=lengths.__getitem__)[rank::world_size]
     return [rows[i : i + batch_size] for i in range(0, len(rows), batch_size)]
+
+
+@dataclass
+class Split:
+    """A tokenized split: token-id lists and class ids, and optionally each text's frozen-prefix output."""
+
+    ids: list[list[int]]
+    labels: list[int]
+    states: list[torch.Tensor] | None = None  # see prefix_cache: then the model runs only its trained blocks
+
+
+def pad_states(states: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Right-pad [length, dim] tensors into a [B, T, dim] batch and its 1/0 attention mask."""
+    longest = max(s.shape[0] for s in states)
+    batch = states[0].new_zeros(len(states), longest, states[0].shape[1])
+    mask = torch.zeros(len(states), longest, dtype=torch.long, device=states[0].device)
+    for row, s in enumerate(states):
+        batch[row, : s.shape[0]] = s
+        mask[row, : s.shape[0]] = 1
+    return batch, mask
+
+
+def to_batch(split: Split, rows: list[int], pad_id: int, side: str, device: torch.device) -> dict[str, torch.Tensor]:
+    """A padded batch: `input_ids` or (with a cache) `frozen_states`, `attention_mask` and `labels`."""
+    if split.states is not None:
+        states, mask = pad_states([split.states[i] for i in rows])
+        labels = torch.tensor([split.labels[i] for i in rows], device=device)
+        return {"frozen_states": states.to(device), "attention_mask": mask.to(device), "labels": labels}
+    batch = collate([(split.ids[i], split.labels[i]) for i in rows], pad_id, side)
+    return {k: v.to(device, non_blocking=True) for k, v in batch.items()}
+
+
+def forward(model: nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+    return model(batch.get("input_ids"), batch["attention_mask"], frozen_states=batch.get("frozen_states"))

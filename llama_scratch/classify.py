@@ -27,11 +27,12 @@ from .config import PRESETS, LlamaConfig, parse_dtype
 from .data import DataError
 from .devices import choose_dtype, resolve_device
 from .download import DownloadError
+from .evaluation import per_class
 from .model import Llama
 from .plan import count_parameters
 from .sources import load_model
 from .tokenizer import Tokenizer
-from .train import RESUME_FILE, per_class
+from .train import RESUME_FILE
 from .weights import CheckpointError, copy_named_tensors
 
 SHOWN_SKIPS = 5  # skipped inputs named in the note; the rest are counted

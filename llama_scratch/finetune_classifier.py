@@ -20,13 +20,14 @@ import torch
 from safetensors.torch import load_file
 
 from . import distributed
-from .batching import default_max_length, encode_texts
+from .batching import Split, default_max_length, encode_texts
 from .classifier import LlamaClassifier
 from .config import LlamaConfig
 from .data import DataWarning, LabelledTexts, load_dataset
 from .devices import choose_dtype, free_memory, memory_budget
 from .distributed import Dist
 from .download import DownloadError
+from .evaluation import evaluate, per_class
 from .model import Llama
 from .plan import count_parameters
 from .plan_report import plan_command, plans_from_scratch
@@ -43,16 +44,7 @@ from .run_dir import (
 from .sources import default_model, is_repo_id, load_model, local_checkpoint, resolve_tokenizer, trains_from_scratch
 from .splits import default_protocol, split_dataset
 from .tokenizer import Tokenizer
-from .train import (
-    Split,
-    TrainingDiverged,
-    TrainSettings,
-    balanced_weights,
-    epochs_for_min_steps,
-    evaluate,
-    per_class,
-    train,
-)
+from .train import TrainingDiverged, TrainSettings, balanced_weights, epochs_for_min_steps, train
 from .weights import copy_named_tensors, save_weights
 
 

@@ -60,14 +60,3 @@ def compute_frozen_states(
         everyone = distributed.all_gather_rows(mine, [states[i] for i in mine], backbone.cfg.dim, dtype, device)
         states = [everyone[i] for i in range(len(token_lists))]
     return states
-
-
-def pad_states(states: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
-    """Right-pad [length, dim] tensors into a [B, T, dim] batch and its 1/0 attention mask."""
-    longest = max(s.shape[0] for s in states)
-    batch = states[0].new_zeros(len(states), longest, states[0].shape[1])
-    mask = torch.zeros(len(states), longest, dtype=torch.long, device=states[0].device)
-    for row, s in enumerate(states):
-        batch[row, : s.shape[0]] = s
-        mask[row, : s.shape[0]] = 1
-    return batch, mask

@@ -21,10 +21,10 @@ from torch.utils.data import DistributedSampler
 from tqdm.auto import tqdm
 
 from . import distributed, resume
-from .batching import collate, length_sorted_batches
+from .batching import Split, forward, to_batch
 from .distributed import Dist
+from .evaluation import evaluate
 from .optim import MasterWeightAdamW
-from .prefix_cache import pad_states
 
 
 @dataclass
@@ -55,15 +55,6 @@ class TrainSettings:
     def eval_rows(self) -> int:
         """Rows per batch where nothing trains (evaluation, the frozen-prefix pass): no gradients, so twice as many."""
         return self.eval_batch_size or 2 * self.batch_size
-
-
-@dataclass
-class Split:
-    """A tokenized split: token-id lists and class ids, and optionally each text's frozen-prefix output."""
-
-    ids: list[list[int]]
-    labels: list[int]
-    states: list[torch.Tensor] | None = None  # see prefix_cache: then the model runs only its trained blocks
 
 
 @dataclass
@@ -131,20 +122,6 @@ def epoch_batches(n: int, epoch: int, s: TrainSettings, env: Dist) -> list[list[
     return [order[i : i + s.batch_size] for i in range(0, usable, s.batch_size)]
 
 
-def to_batch(split: Split, rows: list[int], pad_id: int, side: str, device: torch.device) -> dict[str, torch.Tensor]:
-    """A padded batch: `input_ids` or (with a cache) `frozen_states`, `attention_mask` and `labels`."""
-    if split.states is not None:
-        states, mask = pad_states([split.states[i] for i in rows])
-        labels = torch.tensor([split.labels[i] for i in rows], device=device)
-        return {"frozen_states": states.to(device), "attention_mask": mask.to(device), "labels": labels}
-    batch = collate([(split.ids[i], split.labels[i]) for i in rows], pad_id, side)
-    return {k: v.to(device, non_blocking=True) for k, v in batch.items()}
-
-
-def forward(model: nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
-    return model(batch.get("input_ids"), batch["attention_mask"], frozen_states=batch.get("frozen_states"))
-
-
 def check_enough_data(n_train: int, s: TrainSettings, env: Dist) -> int:
     """Optimizer steps per epoch (as `epoch_batches` makes them); a clear error when there is not one full step."""
     rows_per_process = math.ceil(n_train / env.world_size)  # DistributedSampler's share, padded with repeats
@@ -208,51 +185,6 @@ def lr_factor(step: int, total: int, s: TrainSettings) -> float:
 
 
 # ---------------------------------------------------------------------------------------------- evaluation
-
-
-@torch.inference_mode()
-def evaluate(
-    model: nn.Module, split: Split, num_classes: int, pad_id: int, s: TrainSettings, env: Dist, device, desc: str
-) -> dict:
-    """Loss, accuracy and confusion matrix over a whole split, shared out across processes.
-
-    Each process takes every N-th row (no padding rows, unlike `DistributedSampler`), so summing the counts
-    over processes counts every row exactly once. Rows are sorted by length so batches carry little padding.
-    """
-    model = distributed.unwrap(model)
-    was_training = model.training
-    model.eval()
-    batches = length_sorted_batches([len(x) for x in split.ids], s.eval_rows, env.rank, env.world_size)
-    loss_sum = torch.zeros((), dtype=torch.float64, device=device)
-    confusion = torch.zeros(num_classes, num_classes, dtype=torch.float64, device=device)  # [true, predicted]
-    for rows in tqdm(batches, desc, leave=False, disable=not env.is_main):
-        batch = to_batch(split, rows, pad_id, s.padding_side, device)
-        logits = forward(model, batch).float()
-        loss_sum += F.cross_entropy(logits, batch["labels"], reduction="sum").double()
-        flat = batch["labels"] * num_classes + logits.argmax(-1)
-        confusion += torch.bincount(flat, minlength=num_classes**2).view(num_classes, num_classes).double()
-    totals = distributed.all_sum(torch.cat([loss_sum.view(1), confusion.flatten()]))
-    model.train(was_training)
-    confusion = totals[1:].view(num_classes, num_classes).cpu()
-    n = confusion.sum().item()
-    return {
-        "loss": totals[0].item() / max(n, 1),
-        "accuracy": confusion.diag().sum().item() / max(n, 1),
-        "confusion": confusion.long().tolist(),
-        "count": int(n),
-    }
-
-
-def per_class(confusion: list[list[int]], label_names: list[str]) -> dict[str, dict]:
-    """Precision, recall and F1 of each class from a [true, predicted] confusion matrix."""
-    c = torch.tensor(confusion, dtype=torch.float64)
-    out = {}
-    for k, name in enumerate(label_names):
-        tp, predicted, actual = c[k, k].item(), c[:, k].sum().item(), c[k].sum().item()
-        p = tp / predicted if predicted else 0.0
-        r = tp / actual if actual else 0.0
-        out[name] = {"precision": p, "recall": r, "f1": 2 * p * r / (p + r) if p + r else 0.0, "support": int(actual)}
-    return out
 
 
 # ---------------------------------------------------------------------------------------------- checkpoints

@@ -26,7 +26,8 @@ GRADIENTS_SCRIPT = textwrap.dedent(
     import torch
 
     from llama_scratch import Llama, LlamaClassifier, LlamaConfig, distributed
-    from llama_scratch.train import Split, TrainSettings, train
+    from llama_scratch.batching import Split
+    from llama_scratch.train import TrainSettings, train
 
     env, device = distributed.setup("cpu")
     ids = [[1 + (i * 7 + j) % 100 for j in range(5 + i % 4)] for i in range(32)]

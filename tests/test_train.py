@@ -5,6 +5,7 @@ import math
 import pytest
 import torch
 
+from llama_scratch.batching import Split
 from llama_scratch.distributed import Dist
 from llama_scratch.train import TrainSettings, check_enough_data, epoch_batches, lr_factor
 
@@ -45,7 +46,7 @@ def test_an_interrupt_mid_step_then_resume_equals_one_run(tmp_path, monkeypatch)
     from llama_scratch import Llama, LlamaClassifier, LlamaConfig, train
 
     ids = [[1 + (i * 7 + j) % 100 for j in range(4 + i % 5)] for i in range(24)]
-    splits = {"train": train.Split(ids, [i % 2 for i in range(24)]), "val": train.Split(ids[:8], [0, 1] * 4)}
+    splits = {"train": Split(ids, [i % 2 for i in range(24)]), "val": Split(ids[:8], [0, 1] * 4)}
     settings = train.TrainSettings(epochs=2, batch_size=2, grad_accum=2, save_every=100, lr=1e-3)
 
     def run(out, resume=False):

@@ -16,6 +16,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from llama_scratch import Llama, LlamaClassifier, LlamaConfig, classify, finetune_classifier, sources, train, weights
+from llama_scratch.batching import Split
 from llama_scratch.distributed import Dist
 from llama_scratch.resume import ResumeError
 
@@ -129,7 +130,7 @@ def test_resume_refuses_other_data_train_last_or_columns_by_name(small_csv, tmp_
 def test_an_interrupt_while_the_best_weights_are_written_loses_nothing(tmp_path):
     """Ctrl-C arriving while on_best writes: the epoch's row, its best weights and the counters stay together."""
     ids = [[1 + (i * 7 + j) % 100 for j in range(4 + i % 5)] for i in range(16)]
-    splits = {"train": train.Split(ids, [i % 2 for i in range(16)]), "val": train.Split(ids[:8], [0, 1] * 4)}
+    splits = {"train": Split(ids, [i % 2 for i in range(16)]), "val": Split(ids[:8], [0, 1] * 4)}
     settings = train.TrainSettings(epochs=2, batch_size=4, save_every=100, lr=1e-3)
     saved = []
 
@@ -215,7 +216,8 @@ DIVERGE_SCRIPT = textwrap.dedent(
     import torch.nn.functional as F
 
     from llama_scratch import Llama, LlamaClassifier, LlamaConfig, distributed
-    from llama_scratch.train import Split, TrainingDiverged, TrainSettings, train
+    from llama_scratch.batching import Split
+    from llama_scratch.train import TrainingDiverged, TrainSettings, train
 
     env, device = distributed.setup("cpu")
     if env.rank == 1:  # from the third step on, rank 1's loss reads NaN while its gradients stay finite

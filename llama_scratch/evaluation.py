@@ -1,0 +1,66 @@
+"""Evaluation: loss, accuracy and the confusion matrix over a whole split, and per-class figures from it."""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from tqdm.auto import tqdm
+
+from . import distributed
+from .batching import Split, forward, length_sorted_batches, to_batch
+from .distributed import Dist
+
+
+class EvalSettings(Protocol):
+    """What evaluation reads from the training settings (train.TrainSettings has both)."""
+
+    eval_rows: int  # rows per batch: no gradients are kept, so more than in training
+    padding_side: str
+
+
+@torch.inference_mode()
+def evaluate(
+    model: nn.Module, split: Split, num_classes: int, pad_id: int, s: EvalSettings, env: Dist, device, desc: str
+) -> dict:
+    """Loss, accuracy and confusion matrix over a whole split, shared out across processes.
+
+    Each process takes every N-th row (no padding rows, unlike `DistributedSampler`), so summing the counts
+    over processes counts every row exactly once. Rows are sorted by length so batches carry little padding.
+    """
+    model = distributed.unwrap(model)
+    was_training = model.training
+    model.eval()
+    batches = length_sorted_batches([len(x) for x in split.ids], s.eval_rows, env.rank, env.world_size)
+    loss_sum = torch.zeros((), dtype=torch.float64, device=device)
+    confusion = torch.zeros(num_classes, num_classes, dtype=torch.float64, device=device)  # [true, predicted]
+    for rows in tqdm(batches, desc, leave=False, disable=not env.is_main):
+        batch = to_batch(split, rows, pad_id, s.padding_side, device)
+        logits = forward(model, batch).float()
+        loss_sum += F.cross_entropy(logits, batch["labels"], reduction="sum").double()
+        flat = batch["labels"] * num_classes + logits.argmax(-1)
+        confusion += torch.bincount(flat, minlength=num_classes**2).view(num_classes, num_classes).double()
+    totals = distributed.all_sum(torch.cat([loss_sum.view(1), confusion.flatten()]))
+    model.train(was_training)
+    confusion = totals[1:].view(num_classes, num_classes).cpu()
+    n = confusion.sum().item()
+    return {
+        "loss": totals[0].item() / max(n, 1),
+        "accuracy": confusion.diag().sum().item() / max(n, 1),
+        "confusion": confusion.long().tolist(),
+        "count": int(n),
+    }
+
+
+def per_class(confusion: list[list[int]], label_names: list[str]) -> dict[str, dict]:
+    """Precision, recall and F1 of each class from a [true, predicted] confusion matrix."""
+    c = torch.tensor(confusion, dtype=torch.float64)
+    out = {}
+    for k, name in enumerate(label_names):
+        tp, predicted, actual = c[k, k].item(), c[:, k].sum().item(), c[k].sum().item()
+        p = tp / predicted if predicted else 0.0
+        r = tp / actual if actual else 0.0
+        out[name] = {"precision": p, "recall": r, "f1": 2 * p * r / (p + r) if p + r else 0.0, "support": int(actual)}
+    return out
