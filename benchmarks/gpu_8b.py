@@ -196,8 +196,8 @@ def measure_load(cfg: LlamaConfig, ckpt: Path, device: torch.device) -> tuple[Ll
 def model_flops(cfg: LlamaConfig, train_last: int | None, batch: int, seq: int, num_classes: int = 2) -> dict:
     """FLOPs of one training step, two ways (see the module docstring).
 
-    "done": what the classifier computes. Its last block runs at each row's last token (classifier.last_block_at),
-    so only that block's norm, k_proj and v_proj see every token. "6PT": the usual convention, every block at
+    "done": what the classifier computes. Its last block runs at each row's last token (`query_rows`), so only that
+    block's norm, k_proj and v_proj see every token. "6PT": the usual convention, every block at
     every token; on this classifier it counts work that is never done, so it overstates MFU.
     """
     counts = count_parameters(cfg, train_last, num_classes)

@@ -3,10 +3,9 @@
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
-from .model import Block, Llama, apply_rotary
+from .model import Llama
 
 
 def last_real_positions(attention_mask: torch.Tensor | None, batch: int, seq_len: int, device) -> torch.Tensor:
@@ -24,31 +23,6 @@ def last_real_token(hidden: torch.Tensor, attention_mask: torch.Tensor | None) -
     """[B, T, dim] -> [B, dim]: the vector at each row's last real position."""
     last = last_real_positions(attention_mask, hidden.shape[0], hidden.shape[1], hidden.device)
     return hidden[torch.arange(hidden.shape[0], device=hidden.device), last]
-
-
-def last_block_at(
-    block: Block, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], attention_mask, last: torch.Tensor
-) -> torch.Tensor:
-    """The final block, computed only where the classifier reads it: each row's last real token. [B, dim]
-
-    Its keys and values still come from every position, but its query, attention output, feed-forward and
-    everything after run once per row instead of once per token. With `train_last=1` that is nearly all of the
-    work that needs a backward pass. The result equals `Block.forward` at those positions.
-    """
-    attn, (B, T, _) = block.attention, x.shape
-    rows = torch.arange(B, device=x.device)
-    h = block.attention_norm(x)
-    q = attn.q_proj(h[rows, last]).view(B, attn.n_heads, 1, attn.head_dim)  # one query per row
-    k = attn.k_proj(h).view(B, T, attn.n_kv_heads, attn.head_dim).transpose(1, 2)
-    v = attn.v_proj(h).view(B, T, attn.n_kv_heads, attn.head_dim).transpose(1, 2)
-    cos, sin = rope  # [1 or B, 1, T, head_dim / 2]
-    at_last = (cos.expand(B, -1, -1, -1)[rows, :, last, None], sin.expand(B, -1, -1, -1)[rows, :, last, None])
-    q, k = apply_rotary(q, *at_last), apply_rotary(k, cos, sin)
-    # The last real token may see every real token (all of them come at or before it).
-    keys = None if attention_mask is None else attention_mask.bool()[:, None, None, :]
-    out = F.scaled_dot_product_attention(q, k, v, attn_mask=keys, enable_gqa=attn.n_kv_heads != attn.n_heads)
-    x = x[rows, last] + attn.o_proj(out.reshape(B, -1))
-    return x + block.ffn(block.ffn_norm(x))
 
 
 class LlamaClassifier(nn.Module):
@@ -105,13 +79,10 @@ class LlamaClassifier(nn.Module):
         """
         backbone, n = self.backbone, len(self.backbone.blocks)
         x = backbone.embed_tokens(input_ids) if frozen_states is None else frozen_states
-        start = 0 if frozen_states is None else n - self.train_last
-        B, T = x.shape[:2]
-        last = last_real_positions(attention_mask, B, T, x.device)
-        if start < n:  # every block but the last at all positions, then the last only where we read it
-            x = backbone.run_blocks(x, attention_mask, start=start, stop=n - 1)
-            rope, _ = backbone.attention_inputs(attention_mask, T, x.device)
-            pooled = last_block_at(backbone.blocks[-1], x, rope, attention_mask, last)
-        else:  # train_last=0 with a cache: the cached states already passed every block
-            pooled = x[torch.arange(B, device=x.device), last]
+        start = 0 if frozen_states is None else n - self.train_last  # frozen states: the trained blocks only
+        last = last_real_positions(attention_mask, x.shape[0], x.shape[1], x.device)
+        # The head reads one vector per row, so the last block runs only at each row's last real token: its query,
+        # attention output, feed-forward and all after run once per row instead of once per token (its keys and
+        # values still come from every position). With train_last=1 that is most of the work needing a backward.
+        pooled = backbone.run_blocks(x, attention_mask, start=start, query_rows=last[:, None])[:, 0]  # [B, dim]
         return self.head(backbone.final_norm(pooled))

@@ -6,8 +6,8 @@ with --temperature / --top-k) and prints the text as it comes.
 Why a cache: a causal model's keys and values for a position never change once computed, because position t
 attends only to positions <= t. Without a cache every new token recomputes the whole sequence (cost grows with
 the square of the length); with one, each step runs the network on the single new token and attends to the
-stored keys and values of all earlier ones. `Llama.forward` has no cache, so `cached_step` below runs the same
-modules (embedding, norms, projections, rotary tables, feed-forward, head) step by step itself.
+stored keys and values of all earlier ones: `model(new_ids, cache=cache)` (see `model.KVCache`), the same forward
+that training runs.
 """
 
 from __future__ import annotations
@@ -18,67 +18,9 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 
-from .model import Attention, Llama, apply_rotary
+from .model import KVCache, Llama
 from .tokenizer import Tokenizer
-
-
-class KVCache:
-    """Per block, the keys and values of every position processed so far: [batch, kv_heads, max_len, head_dim]."""
-
-    def __init__(self, model: Llama, batch_size: int, max_len: int):
-        cfg = model.cfg
-        if max_len > cfg.max_seq_len:
-            raise ValueError(f"{max_len} positions exceed the model's context of {cfg.max_seq_len}")
-        param = model.embed_tokens.weight
-        shape = (batch_size, cfg.n_kv_heads, max_len, cfg.head_dim)
-        self.keys = [torch.zeros(shape, dtype=param.dtype, device=param.device) for _ in range(cfg.n_layers)]
-        self.values = [torch.zeros(shape, dtype=param.dtype, device=param.device) for _ in range(cfg.n_layers)]
-        self.length = 0  # positions filled
-        self.max_len = max_len
-
-
-def cached_attention(
-    attn: Attention,
-    x: torch.Tensor,
-    rope: tuple[torch.Tensor, torch.Tensor],
-    keys: torch.Tensor,
-    values: torch.Tensor,
-    start: int,
-) -> torch.Tensor:
-    """`Attention.forward` for new positions start..start+T-1: store their keys/values, attend to all so far."""
-    B, T, _ = x.shape
-    q = attn.q_proj(x).view(B, T, attn.n_heads, attn.head_dim).transpose(1, 2)  # [B, heads, T, head_dim]
-    k = attn.k_proj(x).view(B, T, attn.n_kv_heads, attn.head_dim).transpose(1, 2)
-    v = attn.v_proj(x).view(B, T, attn.n_kv_heads, attn.head_dim).transpose(1, 2)
-    q, k = apply_rotary(q, *rope), apply_rotary(k, *rope)
-    end = start + T
-    keys[:, :, start:end], values[:, :, start:end] = k, v
-    # New position start+i may see stored positions 0..start+i (for a single new token: all of them).
-    visible = torch.ones(T, end, dtype=torch.bool, device=x.device).tril(diagonal=start)
-    out = F.scaled_dot_product_attention(
-        q, keys[:, :, :end], values[:, :, :end], attn_mask=visible, enable_gqa=attn.n_kv_heads != attn.n_heads
-    )
-    return attn.o_proj(out.transpose(1, 2).reshape(B, T, -1))
-
-
-def cached_step(model: Llama, input_ids: torch.Tensor, cache: KVCache) -> torch.Tensor:
-    """Run the new tokens `input_ids` [B, T] through the model, extending `cache`; next-token logits [B, T, vocab].
-
-    The same computation as `Llama.forward` on the whole sequence, restricted to the new positions.
-    """
-    start, T = cache.length, input_ids.shape[1]
-    if start + T > cache.max_len:
-        raise ValueError(f"the cache holds {cache.max_len} positions; {start} used, {T} more asked")
-    positions = torch.arange(start, start + T, device=input_ids.device).expand(1, T)
-    rope = model.rope(positions)
-    x = model.embed_tokens(input_ids)
-    for block, keys, values in zip(model.blocks, cache.keys, cache.values, strict=True):
-        x = x + cached_attention(block.attention, block.attention_norm(x), rope, keys, values, start)
-        x = x + block.ffn(block.ffn_norm(x))
-    cache.length = start + T
-    return model.lm_head(model.final_norm(x))
 
 
 def pick_token(
@@ -122,7 +64,7 @@ def generate_tokens(
         if len(ids) > model.cfg.max_seq_len:
             break  # context full
         if cache is not None:
-            logits = cached_step(model, new, cache)[0, -1]
+            logits = model(new, cache=cache)[0, -1]
         else:
             logits = model(torch.tensor([ids], device=device))[0, -1]
         token = pick_token(logits, temperature, top_k, generator)

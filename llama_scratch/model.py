@@ -10,6 +10,7 @@ first half of each head against the second half (Meta's original code rotates in
 from __future__ import annotations
 
 import math
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -100,8 +101,78 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
     return rotated.to(x.dtype)
 
 
+class BlockCache(NamedTuple):
+    """One block's share of a `KVCache`: its key and value stores, and the position where x's first token goes
+    (the positions to write, like gpt-fast's `input_pos` and Meta's `start_pos`)."""
+
+    keys: torch.Tensor  # [B, kv_heads, max_len, head_dim]
+    values: torch.Tensor
+    start: int
+
+    def write(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Store the new positions' k and v [B, kv_heads, T, head_dim]; return the keys and values up to them."""
+        end = self.start + k.shape[2]
+        self.keys[:, :, self.start : end], self.values[:, :, self.start : end] = k, v
+        return self.keys[:, :, :end], self.values[:, :, :end]
+
+
+class KVCache:
+    """Keys and values of every position processed so far, per block: what makes generating a token cheap.
+
+    A position's keys and values never change once computed (position t attends only to positions <= t). So
+    generation runs the model on the new tokens only, and they attend to the stored keys and values of the
+    earlier ones. `length` positions are filled; the model writes the next ones after them.
+    """
+
+    def __init__(self, model: Llama, batch_size: int, max_len: int):
+        cfg, param = model.cfg, model.embed_tokens.weight
+        if max_len > cfg.max_seq_len:
+            raise ValueError(f"{max_len} positions exceed the model's context of {cfg.max_seq_len}")
+        shape = (batch_size, cfg.n_kv_heads, max_len, cfg.head_dim)
+        self.keys = [torch.zeros(shape, dtype=param.dtype, device=param.device) for _ in range(cfg.n_layers)]
+        self.values = [torch.zeros(shape, dtype=param.dtype, device=param.device) for _ in range(cfg.n_layers)]
+        self.length, self.max_len = 0, max_len
+
+    def block(self, i: int) -> BlockCache:
+        return BlockCache(self.keys[i], self.values[i], self.length)
+
+
+def at_rows(t: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+    """t [B or 1, T, ...] at the positions `rows` [B, R] of each batch row -> [B, R, ...]."""
+    batch = torch.arange(rows.shape[0], device=rows.device)[:, None]
+    return t.expand(rows.shape[0], *t.shape[1:])[batch, rows]
+
+
+def visible_keys(
+    mask: torch.Tensor | None, query_rows: torch.Tensor | None, n_queries: int, n_keys: int, device: torch.device
+) -> tuple[torch.Tensor | None, bool]:
+    """`scaled_dot_product_attention`'s (attn_mask, is_causal) for queries at the last `n_queries` of `n_keys`
+    positions, or only at `query_rows` [B, R] of those. `mask` None means plain causal: each position sees itself
+    and every position before it. We pass a mask only where we must: the fastest kernels take none.
+    """
+    past = n_keys - n_queries  # cached positions before the first query
+    if query_rows is not None:
+        if mask is not None:
+            return at_rows(mask[:, 0], query_rows).unsqueeze(1), False  # the mask's rows: [B, 1, R, keys]
+        if bool((query_rows == n_queries - 1).all()):
+            return None, False  # every query is at the last position, which sees every key
+        return (torch.arange(n_keys, device=device) <= past + query_rows[..., None]).unsqueeze(1), False
+    if mask is not None:
+        return mask, False
+    if n_queries == n_keys:
+        return None, True
+    if n_queries == 1:
+        return None, False  # one new token after cached ones: it sees them all
+    # is_causal=True aligns its triangle top-left (query 0 with key 0); after cached keys it must end bottom-right.
+    return torch.ones(n_queries, n_keys, dtype=torch.bool, device=device).tril(diagonal=past), False
+
+
 class Attention(nn.Module):
-    """Grouped-query attention: n_heads query heads share n_kv_heads key/value heads (a smaller KV cache)."""
+    """Grouped-query attention: n_heads query heads share n_kv_heads key/value heads (a smaller KV cache).
+
+    The one attention of the package: training, the classifier's last block (`query_rows`) and generation
+    (`cache`) all run this forward, so wrappers that act on module calls (LoRA, FSDP, checkpointing) see them all.
+    """
 
     def __init__(self, cfg: LlamaConfig):
         super().__init__()
@@ -111,17 +182,51 @@ class Attention(nn.Module):
         self.v_proj = nn.Linear(cfg.dim, cfg.n_kv_heads * cfg.head_dim, bias=False, dtype=cfg.dtype)
         self.o_proj = nn.Linear(cfg.n_heads * cfg.head_dim, cfg.dim, bias=False, dtype=cfg.dtype)
 
-    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], mask: torch.Tensor | None):
+    def forward(
+        self,
+        x: torch.Tensor,
+        rope: tuple[torch.Tensor, torch.Tensor],
+        mask: torch.Tensor | None,
+        *,
+        cache: BlockCache | None = None,
+        query_rows: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """x [B, T, dim] -> [B, T, dim], or [B, R, dim] at `query_rows`.
+
+        rope: cos and sin at x's positions. mask: None for plain causal attention, or [B, 1, T, keys] booleans,
+        True where a query may see a key. cache: earlier positions' keys and values; x's are stored after them.
+        query_rows [B, R]: positions of x where the caller reads the output. Keys and values come from every
+        position, but queries and everything after them are computed at those rows only.
+        """
         B, T, _ = x.shape
-        q = self.q_proj(x).view(B, T, self.n_heads, self.head_dim).transpose(1, 2)  # [B, heads, T, head_dim]
-        k = self.k_proj(x).view(B, T, self.n_kv_heads, self.head_dim).transpose(1, 2)
+        k = self.k_proj(x).view(B, T, self.n_kv_heads, self.head_dim).transpose(1, 2)  # [B, kv_heads, T, head_dim]
         v = self.v_proj(x).view(B, T, self.n_kv_heads, self.head_dim).transpose(1, 2)
-        q, k = apply_rotary(q, *rope), apply_rotary(k, *rope)
-        # mask None means "plain causal", which lets PyTorch pick its fastest (flash) kernel.
-        out = F.scaled_dot_product_attention(
-            q, k, v, attn_mask=mask, is_causal=mask is None, enable_gqa=self.n_kv_heads != self.n_heads
+        k = apply_rotary(k, *rope)
+        if cache is not None:
+            k, v = cache.write(k, v)  # now every position so far
+        mask, is_causal = visible_keys(mask, query_rows, T, k.shape[2], x.device)
+        if query_rows is not None:  # queries only where the output is read
+            x, rope = at_rows(x, query_rows), tuple(at_rows(t[:, 0], query_rows).unsqueeze(1) for t in rope)
+        q = self.q_proj(x).view(B, x.shape[1], self.n_heads, self.head_dim).transpose(1, 2)  # [B, heads, *, hd]
+        q = apply_rotary(q, *rope)
+        out = self.attend(q, k, v, mask, is_causal)
+        return self.o_proj(out.transpose(1, 2).reshape(B, x.shape[1], -1))
+
+    def attend(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, is_causal: bool
+    ) -> torch.Tensor:
+        """Softmax of scaled query-key scores, times the values: the package's one call of the fused kernel.
+
+        With no mask, the kernel shares each key/value head among its query heads itself (`enable_gqa`). A mask
+        together with `enable_gqa` sends CUDA to its slow math kernel (float32 scores, T x T per head; issue 20),
+        so with a mask we repeat each key/value head for its query heads instead, as chapter 3 does by hand.
+        """
+        grouped = self.n_kv_heads != self.n_heads
+        if mask is not None and grouped:
+            k, v = (t.repeat_interleave(self.n_heads // self.n_kv_heads, dim=1) for t in (k, v))
+        return F.scaled_dot_product_attention(
+            q, k, v, attn_mask=mask, is_causal=is_causal, enable_gqa=grouped and mask is None
         )
-        return self.o_proj(out.transpose(1, 2).reshape(B, T, -1))
 
 
 class FeedForward(nn.Module):
@@ -147,12 +252,26 @@ class Block(nn.Module):
         self.ffn_norm = RMSNorm(cfg.dim, cfg.norm_eps, cfg.dtype)
         self.ffn = FeedForward(cfg)
 
-    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], mask: torch.Tensor | None):
-        x = x + self.attention(self.attention_norm(x), rope, mask)
+    def forward(
+        self,
+        x: torch.Tensor,
+        rope: tuple[torch.Tensor, torch.Tensor],
+        mask: torch.Tensor | None,
+        *,
+        cache: BlockCache | None = None,
+        query_rows: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """x [B, T, dim] -> [B, T, dim]; with `query_rows` [B, R], only those rows: [B, R, dim] (see Attention)."""
+        attended = self.attention(self.attention_norm(x), rope, mask, cache=cache, query_rows=query_rows)
+        if query_rows is not None:
+            x = at_rows(x, query_rows)  # the residual stream too, and the feed-forward below, only at those rows
+        x = x + attended
         return x + self.ffn(self.ffn_norm(x))
 
 
 class Llama(nn.Module):
+    """The whole network: embedding, blocks, final norm and the output projection to next-token logits."""
+
     def __init__(self, cfg: LlamaConfig):
         super().__init__()
         self.cfg = cfg
@@ -169,49 +288,86 @@ class Llama(nn.Module):
         self.gradient_checkpointing = False
 
     def attention_inputs(
-        self, attention_mask: torch.Tensor | None, seq_len: int, device: torch.device
+        self, attention_mask: torch.Tensor | None, seq_len: int, device: torch.device, past: int = 0
     ) -> tuple[tuple[torch.Tensor, torch.Tensor], torch.Tensor | None]:
-        """Rotary tables for each row's positions, and the attention mask for `scaled_dot_product_attention`.
+        """Rotary tables for the positions of `seq_len` tokens after `past` cached ones, and the attention mask:
+        None for plain causal attention, else [B, 1, seq_len, past + seq_len] (`attention_mask` covers them all).
 
         Positions count real tokens only, so a left-padded row gets the same positions (and the same results)
-        as the row without padding. With right padding or none, causal attention alone never lets a real token
-        see a pad, so we return mask None and keep the fast causal kernel.
+        as the row without padding.
         """
         if attention_mask is None:
-            positions = torch.arange(seq_len, device=device).expand(1, seq_len)
+            positions = torch.arange(past, past + seq_len, device=device).expand(1, seq_len)
             return self.rope(positions), None
         real = attention_mask.to(device=device, dtype=torch.bool)
-        positions = (real.long().cumsum(-1) - 1).clamp(min=0)
+        positions = (real.long().cumsum(-1) - 1).clamp(min=0)[:, past:]
+        # Right padding needs no mask. A real token attends only to earlier positions, and those are all real (the
+        # pads come after the text), so causal attention alone gives it exactly its unpadded result. A pad sees
+        # earlier real tokens and pads: its output is garbage nobody reads. Plain causal attention keeps the fastest
+        # kernel. This holds without a cache only: a token generated after right pads would see them.
         right_padded_or_none = bool((real[:, :-1] >= real[:, 1:]).all())
-        if right_padded_or_none:
+        if right_padded_or_none and (past == 0 or bool(real.all())):
             return self.rope(positions), None
-        causal = torch.ones(seq_len, seq_len, dtype=torch.bool, device=device).tril()
+        n_keys = past + seq_len
+        query_at = torch.arange(past, n_keys, device=device)[:, None]  # each query's position among the keys
+        keys = torch.arange(n_keys, device=device)
         # A query may see earlier real keys. Each token may also see itself, so a pad row attends to something
         # (a row with nothing to attend to would give NaN, which would then leak through the values).
-        mask = causal & (real[:, None, :] | torch.eye(seq_len, dtype=torch.bool, device=device))
-        return self.rope(positions), mask.unsqueeze(1)  # [B, 1, T, T], broadcast over heads
+        mask = (keys <= query_at) & (real[:, None, :] | (keys == query_at))
+        return self.rope(positions), mask.unsqueeze(1)  # [B, 1, T, keys], broadcast over heads
 
     def run_blocks(
-        self, x: torch.Tensor, attention_mask: torch.Tensor | None = None, start: int = 0, stop: int | None = None
+        self,
+        x: torch.Tensor,
+        attention_mask: torch.Tensor | None = None,
+        start: int = 0,
+        stop: int | None = None,
+        *,
+        query_rows: torch.Tensor | None = None,
+        cache: KVCache | None = None,
     ) -> torch.Tensor:
-        """The residual stream x [B, T, dim] through blocks[start:stop] (a slice lets frozen layers run once)."""
-        rope, mask = self.attention_inputs(attention_mask, x.shape[1], x.device)
+        """The residual stream x [B, T, dim] through blocks[start:stop] (a slice lets frozen layers run once).
+
+        query_rows [B, R]: the caller reads the output only at these positions, so the last block runs only there
+        (its keys and values still come from every position) and the result is [B, R, dim].
+        cache: x holds the positions after the cache's `length`; the caller advances it (see `hidden_states`).
+        """
+        blocks = range(len(self.blocks))[start:stop]
+        if len(blocks) == 0:
+            return x if query_rows is None else at_rows(x, query_rows)
+        if cache is not None and cache.length + x.shape[1] > cache.max_len:
+            raise ValueError(f"the cache holds {cache.max_len} positions; {cache.length} used, {x.shape[1]} more asked")
+        rope, mask = self.attention_inputs(attention_mask, x.shape[1], x.device, 0 if cache is None else cache.length)
         recompute = self.gradient_checkpointing and self.training and torch.is_grad_enabled()
-        for block in self.blocks[start:stop]:
-            # A frozen block fed by frozen blocks saves nothing for backward: there is nothing to recompute.
-            if recompute and (x.requires_grad or any(p.requires_grad for p in block.parameters())):
-                x = checkpoint(block, x, rope, mask, use_reentrant=False)
+        for i in blocks:
+            block, rows = self.blocks[i], query_rows if i == blocks[-1] else None
+            kwargs = {"cache": None if cache is None else cache.block(i), "query_rows": rows}
+            # A frozen block fed by frozen blocks saves nothing for backward: there is nothing to recompute. A
+            # block run at query rows only saves little (its norm, keys and values): not worth recomputing.
+            if recompute and rows is None and (x.requires_grad or any(p.requires_grad for p in block.parameters())):
+                x = checkpoint(block, x, rope, mask, use_reentrant=False, **kwargs)
             else:
-                x = block(x, rope, mask)
+                x = block(x, rope, mask, **kwargs)
         return x
 
-    def hidden_states(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
-        """[B, T] token ids (attention_mask [B, T] of 1 = real, 0 = pad) -> [B, T, dim] after the final norm."""
-        return self.final_norm(self.run_blocks(self.embed_tokens(input_ids), attention_mask))
+    def hidden_states(
+        self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None, *, cache: KVCache | None = None
+    ) -> torch.Tensor:
+        """[B, T] token ids (attention_mask [B, T] of 1 = real, 0 = pad) -> [B, T, dim] after the final norm.
 
-    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
-        """Next-token logits [B, T, vocab_size]."""
-        return self.lm_head(self.hidden_states(input_ids, attention_mask))
+        With a `cache`, `input_ids` are the tokens after its `length` cached ones (their keys and values are added),
+        and `attention_mask` covers cached and new positions alike.
+        """
+        x = self.run_blocks(self.embed_tokens(input_ids), attention_mask, cache=cache)
+        if cache is not None:
+            cache.length += input_ids.shape[1]
+        return self.final_norm(x)
+
+    def forward(
+        self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None, *, cache: KVCache | None = None
+    ) -> torch.Tensor:
+        """Next-token logits [B, T, vocab_size] (see `hidden_states` for the arguments)."""
+        return self.lm_head(self.hidden_states(input_ids, attention_mask, cache=cache))
 
 
 def _init_weights(module: nn.Module) -> None:

@@ -127,22 +127,25 @@ def block_saved_bytes(cfg: LlamaConfig, batch: int, seq: int, itemsize: int, inp
 def last_block_saved_bytes(
     cfg: LlamaConfig, batch: int, seq: int, itemsize: int, input_grad: bool, device_type: str
 ) -> int:
-    """Bytes the classifier's last block saves. It runs only where the classifier reads it (classifier.last_block_at):
-    its attention norm and keys and values at every position, the rest at each row's last real token."""
+    """Bytes the classifier's last block saves. It runs only where the classifier reads it (`Block` with
+    `query_rows`): its attention norm and keys and values at every position, the rest at each row's last real token."""
     n, b, d, f = batch * seq, batch, cfg.dim, cfg.ffn_dim
     q, kv = cfg.n_heads * cfg.head_dim, cfg.n_kv_heads * cfg.head_dim
     # Every position: the norm (as in a full block) and its output, read by k_proj and v_proj.
     everywhere = 2 * itemsize * n * d + ((FP32 * n * d + FP32 * n) if input_grad else 0)
     if device_type == "cuda":
-        # A boolean key mask with grouped-query attention: planned as SDPA's math kernel, the worst case (float32,
-        # keys and values repeated for every query head, kept with the float32 query and the softmax). Where torch
-        # picks its memory-efficient kernel instead, k and v are kept as they are: less. Unmeasured on a GPU.
+        # A padded batch gives the pooled rows a key mask, and with a mask the model repeats keys and values for
+        # every query head (model.Attention.attend). Planned as SDPA's math kernel, the worst case (float32 copies
+        # of them, kept with the float32 query and the softmax); the memory-efficient kernel keeps the repeated
+        # keys and values in the model's dtype: less. Unmeasured on a GPU.
         everywhere += 2 * FP32 * n * q
         attention = FP32 * b * q + FP32 * b * cfg.n_heads * seq + itemsize * b * q  # + o_proj's input
     else:
-        # The CPU kernel keeps k and v as they are, the mask (in the model's dtype), q, out and the log-sum-exp.
+        # Without padding (as planned here) each row's last token is the last position and sees every key: no mask,
+        # so the kernel keeps k and v as they are, q, out and the log-sum-exp. (With padding: a mask, and keys and
+        # values repeated for every query head, 2 * itemsize * n * (q - kv) more.)
         everywhere += 2 * itemsize * n * kv
-        attention = itemsize * b * seq + 2 * itemsize * b * q + FP32 * b * cfg.n_heads
+        attention = 2 * itemsize * b * q + FP32 * b * cfg.n_heads
     # One row each: q_proj's input, row and position indices, cos/sin at the last token, the feed-forward norm
     # (float32 input, 1/rms, normalised, output) and the SwiGLU's four [ffn_dim] vectors.
     rows = itemsize * b * d + 16 * b + FP32 * b * cfg.head_dim + FP32 * b * (d + 1) + 2 * itemsize * b * d
@@ -154,8 +157,8 @@ def shared_saved_bytes(r: Recipe, itemsize: int) -> dict[str, int]:
     n, b, d = r.batch_size * r.seq_len, r.batch_size, r.cfg.dim
     out = {}
     # Rotary cos and sin, [B, 1, T, head_dim / 2] float32 each (training passes an attention mask: per-row positions),
-    # one pair for the full blocks and one the classifier builds for the last block.
-    out["rotary tables"] = FP32 * n * r.cfg.head_dim * (min(r.trained_blocks, 1) + (r.trained_blocks > 1))
+    # one pair for every block (Llama.run_blocks computes them once per forward).
+    out["rotary tables"] = FP32 * n * r.cfg.head_dim * min(r.trained_blocks, 1)
     # Final norm at each row's last token; its input needs a gradient only if the last block trains.
     out["final norm"] = itemsize * b * d + ((FP32 * b * d + FP32 * b) if r.trained_blocks else 0)
     # Head input (the final norm's output), the float32 logits' log-softmax.

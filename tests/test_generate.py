@@ -6,7 +6,8 @@ import pytest
 import torch
 
 from llama_scratch import Llama, LlamaConfig, Tokenizer
-from llama_scratch.generate import KVCache, cached_step, chat_prompt, generate, main, pick_token
+from llama_scratch.generate import chat_prompt, generate, main, pick_token
+from llama_scratch.model import KVCache
 from llama_scratch.sources import load_model
 
 pytest_plugins = ["tests.smollm2"]  # the SmolLM2 fixtures: smollm2_gguf_file, smollm2_dir
@@ -33,12 +34,12 @@ def test_cached_steps_equal_full_forward(n_kv_heads):
     with torch.no_grad():
         full = model(ids)
         cache = KVCache(model, batch_size=2, max_len=20)
-        pieces = [cached_step(model, ids[:, :7], cache), cached_step(model, ids[:, 7:12], cache)]
-        pieces += [cached_step(model, ids[:, t : t + 1], cache) for t in range(12, 20)]
+        pieces = [model(ids[:, :7], cache=cache), model(ids[:, 7:12], cache=cache)]
+        pieces += [model(ids[:, t : t + 1], cache=cache) for t in range(12, 20)]
     torch.testing.assert_close(torch.cat(pieces, dim=1), full, rtol=1e-5, atol=1e-5)
     assert cache.length == 20
     with pytest.raises(ValueError, match="the cache holds 20 positions"):
-        cached_step(model, ids[:, :1], cache)
+        model(ids[:, :1], cache=cache)
 
 
 @pytest.mark.parametrize("temperature", [0.0, 0.8])
