@@ -34,7 +34,7 @@ class LlamaClassifier(nn.Module):
     used here, so it is always frozen.
     """
 
-    def __init__(self, backbone: Llama, num_classes: int = 2, train_last: int | None = 1):
+    def __init__(self, backbone: Llama, num_classes: int = 2, train_last: int | None = 2):
         super().__init__()
         if num_classes < 2:
             raise ValueError(f"num_classes must be at least 2, got {num_classes}")

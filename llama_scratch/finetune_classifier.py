@@ -8,7 +8,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import functools
-import signal
 import sys
 import time
 import warnings
@@ -24,24 +23,25 @@ from .batching import Split, default_max_length, encode_texts
 from .classifier import LlamaClassifier
 from .config import LlamaConfig
 from .data import DataWarning, LabelledTexts, load_dataset
-from .devices import choose_dtype, free_memory, memory_budget
+from .devices import choose_dtype
 from .distributed import Dist
 from .download import DownloadError
 from .evaluation import evaluate, per_class
+from .interrupts import sigterm_as_ctrl_c
 from .model import Llama
 from .plan import count_parameters
 from .plan_report import plan_command, plans_from_scratch
-from .prefix_cache import cache_bytes, compute_frozen_states, frozen_blocks
-from .run_dir import (
-    BEST_FILE,
-    base_model_record,
-    check_output,
-    clear_run,
-    default_output,
-    point_latest,
-    write_results,
+from .prefix_cache import compute_frozen_states, use_cache
+from .run_dir import BEST_FILE, base_model_record, check_output, default_output, start_output, write_results
+from .sources import (
+    chosen_train_last,
+    default_model,
+    is_repo_id,
+    load_model,
+    local_checkpoint,
+    resolve_tokenizer,
+    trains_from_scratch,
 )
-from .sources import default_model, is_repo_id, load_model, local_checkpoint, resolve_tokenizer, trains_from_scratch
 from .splits import default_protocol, split_dataset
 from .tokenizer import Tokenizer
 from .train import TrainingDiverged, TrainSettings, balanced_weights, epochs_for_min_steps, train
@@ -124,15 +124,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
-def chosen_train_last(arg: str | None, from_scratch: bool) -> int | None:
-    """`--train-last` as a number of blocks (None: everything). A pretrained model needs only its top adjusted,
-    gently; random weights must all learn."""
-    value = arg or ("all" if from_scratch else "2")
-    if value != "all" and not value.isdigit():
-        raise ValueError(f"--train-last takes a number of blocks or 'all', not {value!r}")
-    return None if value == "all" else int(value)
-
-
 def recipe(args: argparse.Namespace, from_scratch: bool, train_labels: list[int], num_classes: int, env: Dist,
            log) -> TrainSettings:  # fmt: skip
     """The training settings from the flags, with what depends on the data: random weights learn at 1e-3 (a
@@ -172,31 +163,6 @@ def warn_if_one_class(val_accuracy: float, val_labels: list[int], log) -> None:
             f"class ({majority:.2%}): the model has not learned the task. Try more data, more --epochs, a higher "
             "--lr, or --class-weights balanced for imbalanced labels."
         )
-
-
-def use_cache(
-    choice: str, clf: LlamaClassifier, ids: dict[str, list[list[int]]], device: torch.device, env: Dist, log
-) -> bool:
-    """Whether to cache the frozen layers' output: there must be frozen blocks, and (auto) room to keep it.
-
-    Under DDP every process must decide alike (computing the cache is collective), so the tightest one decides.
-    Processes on a CPU share the host's memory and each keeps a whole copy."""
-    frozen = frozen_blocks(clf)
-    if choice == "off" or frozen == 0:
-        return False
-    size = sum(cache_bytes(rows, clf) for rows in ids.values())
-    if choice == "auto":
-        room = min(memory_budget(device), free_memory(device) // 2)  # the rest is for training itself
-        if device.type == "cpu":
-            room //= env.world_size
-        if size > distributed.smallest(room):
-            log(
-                f"not caching the frozen layers: {size / 2**30:.1f} GiB exceeds a quarter of the device's memory "
-                "or half of what is free (--cache-frozen on to insist)"
-            )
-            return False
-    log(f"caching the output of the {frozen} frozen blocks for every text ({size / 2**20:,.0f} MiB)")
-    return True
 
 
 @dataclass
@@ -274,18 +240,6 @@ def tokenize(parts: dict[str, LabelledTexts], tokenizer: Tokenizer, context: int
     return {k: Split([x[:max_length] for x in ids[k]], parts[k].labels) for k in parts}, max_length
 
 
-def start_output(out: Path, args: argparse.Namespace, env: Dist) -> None:
-    """A fresh run clears what an earlier run of ours left in `out` (check_output has refused anything else)."""
-    distributed.barrier()
-    if env.is_main:
-        if not args.resume:
-            clear_run(out)
-        out.mkdir(parents=True, exist_ok=True)
-        if args.output is None:
-            point_latest(out)
-    distributed.barrier()
-
-
 def run(args: argparse.Namespace) -> dict:
     """The main job in phases: data, model, output, tokens, recipe, training, results."""
     if args.plan:  # before the process group, the data and the weights: nothing is allocated
@@ -319,7 +273,7 @@ def run(args: argparse.Namespace) -> dict:
             for k, v in splits.items()
         }
     model = distributed.wrap(clf, env, device)
-    start_output(out, args, env)
+    start_output(out, args.resume, args.output is None, env)
     save = functools.partial(save_classifier, clf, choice.from_scratch)
     state = train(model, splits, data.num_classes, tokenizer.pad_id, settings, env, device, out, args.resume,
                   lambda epoch: save(out / BEST_FILE), log, run_identity=run_identity(job, max_length))  # fmt: skip
@@ -407,14 +361,9 @@ def final_metrics(job: Job, model, clf: LlamaClassifier, splits: dict[str, Split
     }
 
 
-def _interrupt(signum, frame) -> None:
-    """torchrun and job schedulers stop a run with SIGTERM: treat it like Ctrl-C, so progress is saved first."""
-    raise KeyboardInterrupt
-
-
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    signal.signal(signal.SIGTERM, _interrupt)
+    sigterm_as_ctrl_c()
     try:
         run(args)
     except KeyboardInterrupt:

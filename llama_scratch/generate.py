@@ -15,11 +15,13 @@ from __future__ import annotations
 import argparse
 import sys
 from collections.abc import Iterator, Sequence
-from pathlib import Path
 
 import torch
 
+from .devices import resolve_device
+from .download import DownloadError
 from .model import KVCache, Llama
+from .sources import load_model, local_checkpoint, resolve_tokenizer
 from .tokenizer import Tokenizer
 
 
@@ -89,31 +91,29 @@ def chat_prompt(tok: Tokenizer, user: str, system: str | None = None) -> list[in
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m llama_scratch.generate", description=__doc__.split("\n\n")[0])
     parser.add_argument("prompt")
-    parser.add_argument("--model", required=True, help="checkpoint directory (e.g. weights/smollm2-135m-instruct)")
+    parser.add_argument("--model", required=True, help="checkpoint directory (e.g. weights/smollm2-135m-instruct), "
+                        "Hugging Face repo id or GGUF file")  # fmt: skip
     parser.add_argument("--max-new-tokens", type=int, default=128)
     parser.add_argument("--temperature", type=float, default=0.0, help="0 (default): greedy")
     parser.add_argument("--top-k", type=int, default=None, help="sample among the k most likely tokens only")
     parser.add_argument("--seed", type=int, default=0, help="sampling seed")
     parser.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat format")
     parser.add_argument("--system", default=None, help="system message for --chat")
-    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N (default: auto, a GPU if any)")
     parser.add_argument("--dtype", default=None, help="bfloat16, float32, ... (default: the checkpoint's)")
     parser.add_argument("--no-cache", action="store_true", help="recompute every step (slow; for comparison)")
     args = parser.parse_args(argv)
 
-    from .sources import load_model
-
-    if not Path(args.model).is_dir():
-        print(f"error: --model {args.model}: not a checkpoint directory", file=sys.stderr)
-        return 1
     try:
-        tok = Tokenizer.for_checkpoint(args.model)
-        model = load_model(args.model, device=args.device, dtype=args.dtype).eval()
+        device = resolve_device(args.device)
+        ref = local_checkpoint(args.model)
+        model = load_model(ref, device=device, dtype=args.dtype).eval()
+        tok, _ = resolve_tokenizer(ref, model.cfg, lambda *a: print(*a, file=sys.stderr))
         prompt = chat_prompt(tok, args.prompt, args.system) if args.chat else tok.encode(args.prompt, bos=True)
-    except (OSError, ValueError) as e:
+    except (OSError, ValueError, DownloadError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
-    generator = torch.Generator(device=args.device).manual_seed(args.seed)
+    generator = torch.Generator(device=device).manual_seed(args.seed)
     tokens = generate_tokens(
         model,
         prompt,

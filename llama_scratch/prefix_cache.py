@@ -13,6 +13,7 @@ from tqdm.auto import tqdm
 from . import distributed
 from .batching import collate, length_sorted_batches
 from .classifier import LlamaClassifier
+from .devices import free_memory, memory_budget
 from .distributed import Dist
 
 
@@ -60,3 +61,28 @@ def compute_frozen_states(
         everyone = distributed.all_gather_rows(mine, [states[i] for i in mine], backbone.cfg.dim, dtype, device)
         states = [everyone[i] for i in range(len(token_lists))]
     return states
+
+
+def use_cache(
+    choice: str, clf: LlamaClassifier, ids: dict[str, list[list[int]]], device: torch.device, env: Dist, log
+) -> bool:
+    """Whether to cache the frozen layers' output: there must be frozen blocks, and (auto) room to keep it.
+
+    Under DDP every process must decide alike (computing the cache is collective), so the tightest one decides.
+    Processes on a CPU share the host's memory and each keeps a whole copy."""
+    frozen = frozen_blocks(clf)
+    if choice == "off" or frozen == 0:
+        return False
+    size = sum(cache_bytes(rows, clf) for rows in ids.values())
+    if choice == "auto":
+        room = min(memory_budget(device), free_memory(device) // 2)  # the rest is for training itself
+        if device.type == "cpu":
+            room //= env.world_size
+        if size > distributed.smallest(room):
+            log(
+                f"not caching the frozen layers: {size / 2**30:.1f} GiB exceeds a quarter of the device's memory "
+                "or half of what is free (--cache-frozen on to insist)"
+            )
+            return False
+    log(f"caching the output of the {frozen} frozen blocks for every text ({size / 2**20:,.0f} MiB)")
+    return True

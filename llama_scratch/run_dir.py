@@ -21,7 +21,9 @@ import time
 import uuid
 from pathlib import Path
 
+from . import distributed
 from .atomic import write_atomic, write_text_atomic
+from .distributed import Dist
 from .train import RESUME_FILE
 
 RUNS_DIR = Path("runs")  # where runs go when --output is not given
@@ -169,3 +171,15 @@ def write_results(out: Path, save, metrics: dict, meta: dict, history: list[dict
     write_text_atomic(out / "classifier.json", json.dumps(meta, indent=2) + "\n")
     for name in WORK_FILES:  # the run is complete; its resume point and working copy are spent
         (out / name).unlink(missing_ok=True)
+
+
+def start_output(out: Path, resume: bool, pointed: bool, env: Dist) -> None:
+    """A fresh run clears what an earlier run of ours left in `out` (check_output has refused anything else)."""
+    distributed.barrier()
+    if env.is_main:
+        if not resume:
+            clear_run(out)
+        out.mkdir(parents=True, exist_ok=True)
+        if pointed:  # a default output folder: runs/latest points at it
+            point_latest(out)
+    distributed.barrier()

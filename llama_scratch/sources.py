@@ -146,3 +146,12 @@ def default_model(
             "shows the pipeline, not what a pretrained model can do."
         )
         return "tiny"
+
+
+def chosen_train_last(arg: str | None, from_scratch: bool) -> int | None:
+    """`--train-last` as a number of blocks (None: everything). A pretrained model needs only its top adjusted,
+    gently; random weights must all learn."""
+    value = arg or ("all" if from_scratch else "2")
+    if value != "all" and not value.isdigit():
+        raise ValueError(f"--train-last takes a number of blocks or 'all', not {value!r}")
+    return None if value == "all" else int(value)

@@ -8,8 +8,6 @@ from __future__ import annotations
 
 import contextlib
 import math
-import signal
-import threading
 import time
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
@@ -24,6 +22,7 @@ from . import distributed, resume
 from .batching import Split, forward, to_batch
 from .distributed import Dist
 from .evaluation import evaluate
+from .interrupts import interrupts_deferred
 from .optim import MasterWeightAdamW
 
 
@@ -77,31 +76,6 @@ class TrainState:
 
 class TrainingDiverged(RuntimeError):
     pass
-
-
-_STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
-
-
-@contextlib.contextmanager
-def interrupts_deferred():
-    """Hold Ctrl-C and SIGTERM until the block ends, so a step is never half-applied when progress is saved.
-
-    A signal that arrives meanwhile is only noted, and raised as KeyboardInterrupt once the block is done. (Blocking
-    the signal with the thread's signal mask is not enough: torch's worker threads do not block it, the kernel
-    may hand it to one of them, and Python then raises it in the main thread at once.)
-    """
-    if threading.current_thread() is not threading.main_thread():  # only the main thread may set handlers
-        yield
-        return
-    caught: list[int] = []
-    previous = {sig: signal.signal(sig, lambda signum, frame: caught.append(signum)) for sig in _STOP_SIGNALS}
-    try:
-        yield
-    finally:
-        for sig, handler in previous.items():
-            signal.signal(sig, handler)
-    if caught:
-        raise KeyboardInterrupt
 
 
 # ---------------------------------------------------------------------------------------------- batches

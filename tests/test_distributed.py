@@ -62,7 +62,7 @@ CACHE_SCRIPT = textwrap.dedent(
 
     import torch
 
-    from llama_scratch import Llama, LlamaClassifier, LlamaConfig, distributed, finetune_classifier
+    from llama_scratch import Llama, LlamaClassifier, LlamaConfig, distributed, prefix_cache
     from llama_scratch.distributed import Dist
     from llama_scratch.prefix_cache import compute_frozen_states
 
@@ -84,10 +84,10 @@ CACHE_SCRIPT = textwrap.dedent(
     assert len(one) == 1 and torch.allclose(one[0], alone[0], atol=1e-5)
     # Whether to cache is one decision for all: with room on rank 0 only, neither caches (else a deadlock).
     quiet = lambda *a: None  # noqa: E731
-    finetune_classifier.free_memory = lambda device: 2**40 if env.rank == 0 else 0
-    assert finetune_classifier.use_cache("auto", clf, {"train": texts}, device, env, quiet) is False
-    finetune_classifier.free_memory = lambda device: 2**40
-    assert finetune_classifier.use_cache("auto", clf, {"train": texts}, device, env, quiet) is True
+    prefix_cache.free_memory = lambda device: 2**40 if env.rank == 0 else 0
+    assert prefix_cache.use_cache("auto", clf, {"train": texts}, device, env, quiet) is False
+    prefix_cache.free_memory = lambda device: 2**40
+    assert prefix_cache.use_cache("auto", clf, {"train": texts}, device, env, quiet) is True
     os.write(1, f"rank {env.rank} ok\\n".encode())  # one write: the two ranks share the pipe
     distributed.teardown()
     """
