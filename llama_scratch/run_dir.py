@@ -29,7 +29,14 @@ from .train import RESUME_FILE
 RUNS_DIR = Path("runs")  # where runs go when --output is not given
 BEST_FILE = "best.safetensors"  # the best trained weights so far, while the run trains
 WORK_FILES = (RESUME_FILE, BEST_FILE)
-RESULT_FILES = ("classifier.safetensors", "history.csv", "history.png", "metrics.json", "classifier.json")
+RESULT_FILES = (
+    "classifier.safetensors",
+    "history.csv",
+    "history.png",
+    "confusion.png",
+    "metrics.json",
+    "classifier.json",
+)
 LEGACY_RESUME = "checkpoint.pt"  # a pickle written by versions before 0.2; never loaded
 _OUR_TEMP = re.compile(r"\..+\.\d+\.(tmp|old)")  # atomic.write_atomic's temporary names
 
@@ -137,15 +144,20 @@ def history_csv(rows: list[dict]) -> str:
     return buf.getvalue()
 
 
-def plot_history(rows: list[dict], path: Path) -> bool:
-    """loss.png with loss and accuracy per epoch, when matplotlib is installed (it is optional)."""
-    try:
-        import matplotlib
+def _pyplot():
+    """matplotlib's pyplot, drawing to files only. Imported when a run ends, not when the command starts: it
+    takes about half a second."""
+    import matplotlib
 
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        return False
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def plot_history(rows: list[dict], path: Path) -> None:
+    """history.png: loss and accuracy per epoch, training and validation."""
+    plt = _pyplot()
     epochs = [r["epoch"] for r in rows]
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(9, 3.5))
     for split in ("train", "val"):
@@ -157,7 +169,26 @@ def plot_history(rows: list[dict], path: Path) -> bool:
     fig.tight_layout()
     write_atomic(path, lambda tmp: fig.savefig(tmp, format="png", dpi=100))
     plt.close(fig)
-    return True
+
+
+def plot_confusion(confusion: list[list[int]], names: list[str], path: Path) -> None:
+    """confusion.png: the test split's confusion matrix, true classes down, predicted across, counts written in."""
+    plt = _pyplot()
+    k = len(names)
+    size = min(3 + 0.5 * k, 12)
+    fig, ax = plt.subplots(figsize=(size, size))
+    ax.imshow(confusion, cmap="Blues")
+    if k <= 30:  # beyond that, labels and counts would only overlap
+        ax.set_xticks(range(k), names, rotation=45, ha="right")
+        ax.set_yticks(range(k), names)
+        top = max(max(row) for row in confusion) or 1
+        for i, row in enumerate(confusion):
+            for j, n in enumerate(row):
+                ax.text(j, i, str(n), ha="center", va="center", color="white" if n > top / 2 else "black")
+    ax.set(xlabel="predicted", ylabel="true", title="test confusion matrix")
+    fig.tight_layout()
+    write_atomic(path, lambda tmp: fig.savefig(tmp, format="png", dpi=100))
+    plt.close(fig)
 
 
 def write_results(out: Path, save, metrics: dict, meta: dict, history: list[dict]) -> None:
@@ -167,6 +198,7 @@ def write_results(out: Path, save, metrics: dict, meta: dict, history: list[dict
     save(out / "classifier.safetensors", {"run_id": run_id})
     write_text_atomic(out / "history.csv", history_csv(history))
     plot_history(history, out / "history.png")
+    plot_confusion(metrics["test_confusion"], metrics["label_names"], out / "confusion.png")
     write_text_atomic(out / "metrics.json", json.dumps(metrics, indent=2) + "\n")
     write_text_atomic(out / "classifier.json", json.dumps(meta, indent=2) + "\n")
     for name in WORK_FILES:  # the run is complete; its resume point and working copy are spent
