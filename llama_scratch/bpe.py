@@ -294,24 +294,11 @@ def hf_tokenizer_files(meta: dict, source: str = "GGUF") -> tuple[dict, dict]:
     vocab = {token: i for i, token in enumerate(tokens)}
     if len(vocab) != len(tokens):
         raise ValueError(f"{source}: the token list holds duplicates")
-    added = [
-        {
-            "id": i,
-            "content": token,
-            "single_word": False,
-            "lstrip": False,
-            "rstrip": False,
-            "normalized": False,
-            "special": kind == CONTROL,
-        }
-        for i, (token, kind) in enumerate(zip(tokens, types, strict=True))
-        if kind in (CONTROL, USER_DEFINED)
-    ]
     tokenizer_json = {
         "version": "1.0",
         "truncation": None,
         "padding": None,
-        "added_tokens": added,
+        "added_tokens": _added_tokens(tokens, types),
         "normalizer": None,
         "pre_tokenizer": PRE_TOKENIZERS[pre],
         "post_processor": None,
@@ -331,6 +318,28 @@ def hf_tokenizer_files(meta: dict, source: str = "GGUF") -> tuple[dict, dict]:
             "merges": [merge.split(" ") for merge in meta["tokenizer.ggml.merges"]],
         },
     }
+    return tokenizer_json, _hf_config(meta, tokens)
+
+
+def _added_tokens(tokens: list[str], types: list[int]) -> list[dict]:
+    """`tokenizer.json`'s added tokens: the control and user-defined ones (only control ones are special)."""
+    return [
+        {
+            "id": i,
+            "content": token,
+            "single_word": False,
+            "lstrip": False,
+            "rstrip": False,
+            "normalized": False,
+            "special": kind == CONTROL,
+        }
+        for i, (token, kind) in enumerate(zip(tokens, types, strict=True))
+        if kind in (CONTROL, USER_DEFINED)
+    ]
+
+
+def _hf_config(meta: dict, tokens: list[str]) -> dict:
+    """`tokenizer_config.json` contents for GGUF metadata: the special tokens by name, and the chat template."""
 
     def token(key: str) -> str | None:
         i = meta.get(f"tokenizer.ggml.{key}")
@@ -350,4 +359,4 @@ def hf_tokenizer_files(meta: dict, source: str = "GGUF") -> tuple[dict, dict]:
     }
     if template := meta.get("tokenizer.chat_template"):
         config["chat_template"] = template
-    return tokenizer_json, config
+    return config
