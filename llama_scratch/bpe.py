@@ -5,9 +5,10 @@ byte strings, and the merge order. Hugging Face's `tokenizer.json` and GGUF meta
 in GPT-2's printable alphabet (each byte stands for one visible character, e.g. a space is "Ġ"); tiktoken wants
 the raw bytes, with each token's id as its merge rank. This module translates between the two:
 
-    GGUF metadata --hf_tokenizer_files--> tokenizer.json + tokenizer_config.json --tokenizer_from_hf_json--> Tokenizer
+    GGUF metadata --hf_tokenizer_files--> tokenizer.json + tokenizer_config.json --parts_from_hf_json--> TokenizerParts
 
-so a converted checkpoint is read the same way as one downloaded from the Hugging Face hub.
+so a converted checkpoint is read the same way as one downloaded from the Hugging Face hub. `Tokenizer.from_hf_json`
+turns the `TokenizerParts` into a `Tokenizer`: `tokenizer.py` imports this module, never the other way round.
 """
 
 from __future__ import annotations
@@ -16,13 +17,18 @@ import functools
 import json
 import re
 import unicodedata
+from dataclasses import dataclass
 from pathlib import Path
 
 import tiktoken
 
-from .tokenizer import LLAMA3_PATTERN, Tokenizer
-
 # The pre-tokenizer regexes, written for tiktoken (Rust `fancy-regex`).
+# Llama-3: text is first cut into pieces (words with their leading space, numbers of at most three digits, runs of
+# punctuation, newlines, spaces) and BPE merges happen only inside a piece.
+LLAMA3_PATTERN = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*"
+    r"|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
 # GPT-2: contractions, letters and numbers with an optional leading space, punctuation runs, spaces.
 GPT2_PATTERN = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"
 # SmolLM: first every digit is cut out on its own, then the GPT-2 regex runs on the text between digits. As one
@@ -188,8 +194,22 @@ def default_system_prompt(chat_template: str | None) -> str | None:
     return found.group(1) if found else None
 
 
-def tokenizer_from_hf(tokenizer_json: dict, tokenizer_config: dict | None = None, name: str = "bpe") -> Tokenizer:
-    """A `Tokenizer` from the contents of `tokenizer.json` and (optionally) `tokenizer_config.json`."""
+@dataclass(frozen=True)
+class TokenizerParts:
+    """What a `Tokenizer` is built from (the arguments of `Tokenizer.from_encoding`). This module returns it
+    rather than a `Tokenizer`, so that it needs nothing from `tokenizer.py`."""
+
+    encoding: tiktoken.Encoding
+    bos_id: int | None  # None: the model expects no begin-of-text token
+    eos_id: int
+    pad_id: int
+    special_tokens: dict[str, int]  # the added tokens, name -> id
+    chat_format: str | None  # "llama3", "chatml" or None
+    default_system_prompt: str | None
+
+
+def parts_from_hf(tokenizer_json: dict, tokenizer_config: dict | None = None, name: str = "bpe") -> TokenizerParts:
+    """The parts of a tokenizer from the contents of `tokenizer.json` and (optionally) `tokenizer_config.json`."""
     config = tokenizer_config or {}
     encoding = encoding_from_hf(tokenizer_json, name)
     special = {t["content"]: t["id"] for t in tokenizer_json.get("added_tokens", [])}
@@ -204,7 +224,7 @@ def tokenizer_from_hf(tokenizer_json: dict, tokenizer_config: dict | None = None
     bos, eos, pad = special_id("bos_token"), special_id("eos_token"), special_id("pad_token")
     if eos is None:
         raise ValueError(f"{name}: no eos_token in tokenizer_config.json")
-    return Tokenizer.from_encoding(
+    return TokenizerParts(
         encoding,
         bos_id=bos if _adds_bos(tokenizer_json, config, bos) else None,
         eos_id=eos,
@@ -230,9 +250,9 @@ def _adds_bos(tokenizer_json: dict, config: dict, bos: int | None) -> bool:
     return False
 
 
-def tokenizer_from_hf_json(path: str | Path) -> Tokenizer:
+def parts_from_hf_json(path: str | Path) -> TokenizerParts:
     """Read a Hugging Face `tokenizer.json` (and the `tokenizer_config.json` beside it, for bos/eos/pad and
-    the chat template) of a byte-level BPE vocabulary. `Tokenizer.for_checkpoint` calls this."""
+    the chat template) of a byte-level BPE vocabulary. `Tokenizer.from_hf_json` calls this."""
     path = Path(path)
     try:
         tokenizer_json = json.loads(path.read_text(encoding="utf-8"))
@@ -241,7 +261,7 @@ def tokenizer_from_hf_json(path: str | Path) -> Tokenizer:
     except json.JSONDecodeError as e:
         raise ValueError(f"{path.parent}: invalid JSON in a tokenizer file: {e}") from None
     try:
-        return tokenizer_from_hf(tokenizer_json, config, name=path.parent.name or path.name)
+        return parts_from_hf(tokenizer_json, config, name=path.parent.name or path.name)
     except (KeyError, TypeError) as e:
         raise ValueError(f"{path}: not a tokenizer.json this reader understands (at {e!r})") from None
 
@@ -274,24 +294,11 @@ def hf_tokenizer_files(meta: dict, source: str = "GGUF") -> tuple[dict, dict]:
     vocab = {token: i for i, token in enumerate(tokens)}
     if len(vocab) != len(tokens):
         raise ValueError(f"{source}: the token list holds duplicates")
-    added = [
-        {
-            "id": i,
-            "content": token,
-            "single_word": False,
-            "lstrip": False,
-            "rstrip": False,
-            "normalized": False,
-            "special": kind == CONTROL,
-        }
-        for i, (token, kind) in enumerate(zip(tokens, types, strict=True))
-        if kind in (CONTROL, USER_DEFINED)
-    ]
     tokenizer_json = {
         "version": "1.0",
         "truncation": None,
         "padding": None,
-        "added_tokens": added,
+        "added_tokens": _added_tokens(tokens, types),
         "normalizer": None,
         "pre_tokenizer": PRE_TOKENIZERS[pre],
         "post_processor": None,
@@ -311,6 +318,28 @@ def hf_tokenizer_files(meta: dict, source: str = "GGUF") -> tuple[dict, dict]:
             "merges": [merge.split(" ") for merge in meta["tokenizer.ggml.merges"]],
         },
     }
+    return tokenizer_json, _hf_config(meta, tokens)
+
+
+def _added_tokens(tokens: list[str], types: list[int]) -> list[dict]:
+    """`tokenizer.json`'s added tokens: the control and user-defined ones (only control ones are special)."""
+    return [
+        {
+            "id": i,
+            "content": token,
+            "single_word": False,
+            "lstrip": False,
+            "rstrip": False,
+            "normalized": False,
+            "special": kind == CONTROL,
+        }
+        for i, (token, kind) in enumerate(zip(tokens, types, strict=True))
+        if kind in (CONTROL, USER_DEFINED)
+    ]
+
+
+def _hf_config(meta: dict, tokens: list[str]) -> dict:
+    """`tokenizer_config.json` contents for GGUF metadata: the special tokens by name, and the chat template."""
 
     def token(key: str) -> str | None:
         i = meta.get(f"tokenizer.ggml.{key}")
@@ -330,4 +359,4 @@ def hf_tokenizer_files(meta: dict, source: str = "GGUF") -> tuple[dict, dict]:
     }
     if template := meta.get("tokenizer.chat_template"):
         config["chat_template"] = template
-    return tokenizer_json, config
+    return config

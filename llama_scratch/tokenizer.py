@@ -4,8 +4,9 @@ The vocabulary file (`tokenizer.model`) lists 128,000 byte sequences with their 
 tokens follow them (ids 128000-128255). Tokens, names and numbers match Meta's reference
 (`llama_models.llama3.tokenizer.Tokenizer`) token for token; tests/test_tokenizer.py checks that.
 
-Other byte-level BPE tokenizers (e.g. GPT-2 style ones read from GGUF or `tokenizer.json`) plug in through
-`Tokenizer.from_encoding`, so the rest of the package only ever sees this one class.
+Other byte-level BPE tokenizers (GPT-2 style ones from GGUF or a Hugging Face `tokenizer.json`) are read by
+`llama_scratch.bpe` and plug in through `Tokenizer.from_hf_json` / `from_encoding`, so the rest of the package only
+ever sees this one class.
 """
 
 from __future__ import annotations
@@ -19,12 +20,7 @@ from pathlib import Path
 
 import tiktoken
 
-# Llama-3's pre-tokenization: text is first cut into pieces (words with their leading space, numbers of at most
-# three digits, runs of punctuation, newlines, spaces) and BPE merges happen only inside a piece.
-LLAMA3_PATTERN = (
-    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*"
-    r"|\s*[\r\n]+|\s+(?!\S)|\s+"
-)
+from .bpe import LLAMA3_PATTERN, TokenizerParts, parts_from_hf, parts_from_hf_json
 
 # The named special tokens in id order from 128000; ids 128002, 128003 and 128012-128255 are reserved.
 _LLAMA3_NAMED = [
@@ -126,8 +122,9 @@ class Tokenizer:
     """Byte-level BPE tokenizer: `encode` text to ids, `decode` ids to text, `encode_chat` a dialog.
 
     `Tokenizer(path)` loads a Llama-3 `tokenizer.model`; `Tokenizer.default()` the copy inside `llama-models`;
-    `Tokenizer.for_checkpoint(dir)` whatever a checkpoint directory holds; `Tokenizer.from_encoding(...)` wraps
-    any tiktoken Encoding (the hook for non-Llama-3 vocabularies).
+    `Tokenizer.for_checkpoint(dir)` whatever a checkpoint directory holds; `Tokenizer.from_hf_json(path)` a
+    Hugging Face `tokenizer.json`; `Tokenizer.from_encoding(...)` wraps any tiktoken Encoding (the hook for
+    non-Llama-3 vocabularies).
     """
 
     encoding: tiktoken.Encoding  # the tiktoken encoder doing the work
@@ -173,8 +170,8 @@ class Tokenizer:
     ) -> Tokenizer:
         """A Tokenizer over any tiktoken Encoding: the hook for other byte-level BPE vocabularies.
 
-        `llama_scratch.bpe`/`gguf` build a `tiktoken.Encoding` from GGUF metadata or a Hugging Face
-        `tokenizer.json` (GPT-2 style BPE, e.g. SmolLM2) and call this, so training and classification code
+        `from_hf`/`from_hf_json` call this with the `tiktoken.Encoding` that `llama_scratch.bpe` builds from a
+        Hugging Face `tokenizer.json` (GPT-2 style BPE, e.g. SmolLM2), so training and classification code
         needs no second tokenizer class. `special_tokens` defaults to the encoding's own; `bos_id=None` means the
         model uses no begin-of-text token (`bos=True` then adds nothing). `chat_format` is "llama3"
         (<|start_header_id|>role<|end_header_id|>...<|eot_id|>), "chatml" (<|im_start|>role ...<|im_end|>, as
@@ -195,6 +192,29 @@ class Tokenizer:
         )
         self.default_system_prompt = default_system_prompt
         return self
+
+    @classmethod
+    def from_hf(cls, tokenizer_json: dict, tokenizer_config: dict | None = None, name: str = "bpe") -> Tokenizer:
+        """A Tokenizer from the contents (dicts) of a byte-level BPE `tokenizer.json` and `tokenizer_config.json`,
+        e.g. the ones `llama_scratch.bpe.hf_tokenizer_files` builds from GGUF metadata."""
+        return cls._from_parts(parts_from_hf(tokenizer_json, tokenizer_config, name))
+
+    @classmethod
+    def from_hf_json(cls, path: str | Path) -> Tokenizer:
+        """Read a Hugging Face `tokenizer.json` of a byte-level BPE, with the `tokenizer_config.json` beside it."""
+        return cls._from_parts(parts_from_hf_json(path))
+
+    @classmethod
+    def _from_parts(cls, parts: TokenizerParts) -> Tokenizer:
+        return cls.from_encoding(
+            parts.encoding,
+            bos_id=parts.bos_id,
+            eos_id=parts.eos_id,
+            pad_id=parts.pad_id,
+            special_tokens=parts.special_tokens,
+            chat_format=parts.chat_format,
+            default_system_prompt=parts.default_system_prompt,
+        )
 
     def _setup(
         self,
@@ -241,20 +261,19 @@ class Tokenizer:
         """The tokenizer of a checkpoint directory (or a tokenizer file itself).
 
         Looks for `tokenizer.model` (Meta's layout), then `original/tokenizer.model` (Hugging Face's layout of
-        Llama-3 repos), then `tokenizer.json`, which is handed to `llama_scratch.bpe.tokenizer_from_hf_json`
-        (the hook for non-Llama-3 BPE vocabularies).
+        Llama-3 repos), then `tokenizer.json` (read by `from_hf_json`: the way in for other BPE vocabularies).
         """
         path = Path(path)
         if not path.exists():
             raise FileNotFoundError(f"checkpoint directory not found: {path}")
         if path.is_file():
-            return _from_hf_json(path) if path.suffix == ".json" else cls(path)
+            return cls.from_hf_json(path) if path.suffix == ".json" else cls(path)
         candidates = [path / "tokenizer.model", path / "original" / "tokenizer.model"]
         for candidate in candidates:
             if candidate.is_file():
                 return cls(candidate)
         if (path / "tokenizer.json").is_file():
-            return _from_hf_json(path / "tokenizer.json")
+            return cls.from_hf_json(path / "tokenizer.json")
         looked = ", ".join(str(p) for p in [*candidates, path / "tokenizer.json"])
         raise FileNotFoundError(f"no tokenizer in {path} (looked for {looked})")
 
@@ -363,17 +382,3 @@ class Tokenizer:
             f"Tokenizer({self.encoding.name!r}, n_words={self.n_words}, bos_id={self.bos_id}, eos_id={self.eos_id}, "
             f"pad_id={self.pad_id}, chat_format={self.chat_format!r})"
         )
-
-
-def _from_hf_json(path: Path) -> Tokenizer:
-    """Hand a Hugging Face tokenizer.json to `llama_scratch.bpe` (imported only when one is needed)."""
-    try:
-        from .bpe import tokenizer_from_hf_json
-    except ModuleNotFoundError as e:
-        if e.name != f"{__package__}.bpe":
-            raise
-        raise NotImplementedError(
-            f"{path} is a Hugging Face tokenizer.json, which needs llama_scratch.bpe (not installed in this "
-            "version); a Llama-3 checkpoint should also hold tokenizer.model or original/tokenizer.model"
-        ) from None
-    return tokenizer_from_hf_json(path)

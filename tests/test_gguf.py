@@ -31,7 +31,6 @@ from llama_scratch.bpe import (
     default_system_prompt,
     hf_tokenizer_files,
     token_spelling,
-    tokenizer_from_hf,
 )
 from llama_scratch.config import RopeScaling
 from llama_scratch.convert_gguf import main as convert_main
@@ -278,7 +277,7 @@ def test_toy_tokenizer_matches_hf_tokenizers(pre):
         "tokenizer.ggml.eos_token_id": 2,
     }
     tokenizer_json, config = hf_tokenizer_files(meta)
-    ours = tokenizer_from_hf(tokenizer_json, config)
+    ours = Tokenizer.from_hf(tokenizer_json, config)
     reference = HFTokenizer.from_str(json.dumps(tokenizer_json))
     texts = EDGE_CASES + ["the  12 3  123 and  then\n\n1", "it's the 1234 thing", "ééé 你好"] + sms_texts()[:300]
     for text in texts:
@@ -306,7 +305,7 @@ def test_llama3_vocabulary_via_gguf_metadata_matches_default_tokenizer():
         "tokenizer.ggml.add_bos_token": True,
         "tokenizer.chat_template": "{{ '<|start_header_id|>' + message['role'] + '<|end_header_id|>' }}",
     }
-    ours = tokenizer_from_hf(*hf_tokenizer_files(meta))
+    ours = Tokenizer.from_hf(*hf_tokenizer_files(meta))
     meta_tokenizer = Tokenizer.default()
     assert (ours.bos_id, ours.eos_id, ours.chat_format, ours.n_words) == (128000, 128009, "llama3", 128256)
     for text in sms_texts()[:1000] + EDGE_CASES:

@@ -1,8 +1,7 @@
 """The tokenizer against Meta's reference (llama-models): same ids for the bundled data and the hard cases."""
 
+import json
 import shutil
-import sys
-import types
 from pathlib import Path
 
 import pytest
@@ -12,8 +11,8 @@ from llama_models.datatypes import RawMessage
 from llama_models.llama3.chat_format import ChatFormat
 from llama_models.llama3.tokenizer import Tokenizer as MetaTokenizer
 
+from llama_scratch.bpe import LLAMA3_PATTERN, token_spelling
 from llama_scratch.tokenizer import (
-    LLAMA3_PATTERN,
     MAX_CHUNK_CHARS,
     MAX_RUN_CHARS,
     Tokenizer,
@@ -241,15 +240,24 @@ def test_for_checkpoint_finds_both_layouts(tmp_path, ours):
         Tokenizer.for_checkpoint(tmp_path / "absent")
 
 
-def test_for_checkpoint_hands_tokenizer_json_to_bpe(tmp_path, monkeypatch):
+def test_for_checkpoint_reads_a_tokenizer_json(tmp_path):
+    """A directory with Hugging Face's tokenizer files and no tokenizer.model: a byte-level BPE, read as such."""
+    vocab = {token_spelling(bytes([b])): b for b in range(256)} | {"Ġt": 256, "he": 257, "Ġthe": 258}
+    tokenizer_json = {
+        "added_tokens": [{"id": 259, "content": "<|endoftext|>", "special": True}],
+        "pre_tokenizer": {"type": "ByteLevel", "add_prefix_space": False, "use_regex": True},  # GPT-2's split
+        "model": {"type": "BPE", "vocab": vocab, "merges": ["Ġ t", "h e", "Ġt he"]},
+    }
+    (tmp_path / "tokenizer.json").write_text(json.dumps(tokenizer_json))
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({"eos_token": "<|endoftext|>"}))
+    for tok in (Tokenizer.for_checkpoint(tmp_path), Tokenizer.for_checkpoint(tmp_path / "tokenizer.json")):
+        assert (tok.bos_id, tok.eos_id, tok.pad_id, tok.n_words, tok.chat_format) == (None, 259, 259, 260, None)
+        assert tok.encode(" the the") == [258, 258]
+        assert tok.encode("the", eos=True) == [ord("t"), 257, 259]  # "th" is no token: t + he
+        assert tok.decode(tok.encode("hé <|endoftext|>")) == "hé <|endoftext|>"
     (tmp_path / "tokenizer.json").write_text("{}")
-    monkeypatch.setitem(sys.modules, "llama_scratch.bpe", None)  # as if llama_scratch/bpe.py did not exist
-    with pytest.raises(NotImplementedError, match="tokenizer.json.*llama_scratch.bpe"):
+    with pytest.raises(ValueError, match="not a byte-level BPE"):
         Tokenizer.for_checkpoint(tmp_path)
-    fake = types.ModuleType("llama_scratch.bpe")
-    fake.tokenizer_from_hf_json = lambda path: ("built from", path)
-    monkeypatch.setitem(sys.modules, "llama_scratch.bpe", fake)
-    assert Tokenizer.for_checkpoint(tmp_path) == ("built from", tmp_path / "tokenizer.json")
 
 
 def test_default_without_llama_models(monkeypatch):
