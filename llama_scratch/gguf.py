@@ -18,6 +18,7 @@ import json
 import re
 from pathlib import Path
 
+import gguf
 import numpy as np
 import torch
 from tqdm import tqdm
@@ -26,17 +27,8 @@ from .bpe import hf_tokenizer_files
 from .checkpoint_files import check_target, replace_checkpoint
 from .config import LlamaConfig, RopeScaling
 from .gguf_check import GGUFError, check_gguf
-from .model import rope_frequencies
+from .model import Llama, rope_frequencies
 from .weights import save_checkpoint
-
-
-def _gguf_package():
-    try:
-        import gguf
-    except ModuleNotFoundError:
-        raise ModuleNotFoundError("reading GGUF files needs the gguf package: pip install gguf") from None
-    return gguf
-
 
 # llama.cpp tensor names -> ours. {i} is the block number.
 TENSOR_NAMES = {
@@ -73,7 +65,6 @@ def read_metadata(reader) -> dict:
 def open_gguf(path: str | Path):
     """A `gguf.GGUFReader` on `path` (memory-mapped: tensors are read only when used), after `check_gguf` has
     walked the file's structure: the reader trusts every count in the file, so it only sees files that fit."""
-    gguf = _gguf_package()
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"GGUF file not found: {path}")
@@ -154,7 +145,6 @@ def unpermute_rows(weight: torch.Tensor, n_heads: int) -> torch.Tensor:
 
 def check_tensor_types(reader, source: str = "GGUF") -> None:
     """Fail before any work if a tensor uses a type that the gguf package cannot dequantize."""
-    gguf = _gguf_package()
     failed: dict[str, list[str]] = {}
     tried = set()
     for t in reader.tensors:
@@ -173,7 +163,6 @@ def check_tensor_types(reader, source: str = "GGUF") -> None:
 
 def dequantize(tensor) -> torch.Tensor:
     """A GGUF tensor as float32 in PyTorch's [out, in] shape (GGUF lists dimensions fastest-first)."""
-    gguf = _gguf_package()
     values = gguf.quants.dequantize(tensor.data, tensor.tensor_type)
     shape = tuple(int(n) for n in reversed(tensor.shape.tolist()))
     return torch.from_numpy(np.array(values, dtype=np.float32).reshape(shape))  # np.array copies off the mmap
@@ -242,8 +231,6 @@ def convert_gguf(
 
 def _check_shapes(state: dict[str, torch.Tensor], cfg: LlamaConfig, source: str) -> None:
     """Every parameter present with the shape the config implies (catches metadata that lies)."""
-    from .model import Llama
-
     with torch.device("meta"):
         expected = {n: tuple(p.shape) for n, p in Llama(cfg).named_parameters()}
     if cfg.tie_embeddings:

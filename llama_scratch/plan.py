@@ -281,6 +281,57 @@ class MemoryPlan:
         }
 
 
+def optimizer_bytes(r: Recipe, counts) -> tuple[int, int]:
+    """AdamW's state, and its temporaries during a step. torch's AdamW keeps exp_avg and exp_avg_sq in the
+    parameter dtype; "float32" keeps both in float32 next to a float32 master copy of each low-precision trained
+    parameter (train.make_optimizer)."""
+    s, p = r.param_dtype.itemsize, counts.trainable
+    master = r.optimizer_state == "float32" and s < FP32
+    state_size = FP32 if r.optimizer_state == "float32" else s
+    state = 2 * state_size * p + (FP32 * p if master else 0)
+    if master:
+        return state, (FP32 - s) * p  # float32 gradients replace the low-precision ones, one tensor at a time
+    if r.device_type == "cuda":
+        return state, 0  # fused AdamW: no temporaries
+    return state, 3 * state_size * counts.largest_trainable  # per-tensor AdamW: sqrt(v), the quotient, ...
+
+
+def backward_peak(r: Recipe, cfg: LlamaConfig, counts, activations: int, held: int, saved: tuple) -> int:
+    """The most memory backward holds at once, beside weights and optimizer state.
+
+    Backward goes block by block from the top (the head's and final norm's gradients come first, the embedding's
+    last). A block starts with all its saved tensors alive (a checkpointed one recomputes them next to its kept
+    input), the gradients of the blocks above and its first weight gradient (down_proj's); it ends in its
+    attention norm with only that norm's saved tensors left and all its weight gradients. Blocks below it still
+    hold what they saved. `saved` is (last block, first kept, other kept, first full, other full) in bytes.
+    """
+    last, kept_first, kept_per_block, full_first, full_rest = saved
+    s, k, b, t = r.param_dtype.itemsize, r.trained_blocks, r.batch_size, r.seq_len
+    full, ckpt = max(k - 1, 0), r.gradient_checkpointing
+    grads, block_grads = s * counts.trainable, s * counts.block
+    work = backward_work(cfg, b, t, s, r.device_type)
+    sweep = []  # (kept until its turn, alive at its start, alive at its end, start temporaries, end temporaries)
+    if k:
+        input_grad = full > 0 or r.train_last is None
+        end_work = work["end"] if input_grad else work["end, input frozen"]
+        sweep.append((last, last, norm_saved_bytes(cfg, b, t, s, input_grad), work["last start"], end_work))
+    for i in range(full):
+        bottom = i == full - 1
+        kept, at_start = (kept_first, full_first) if bottom else (kept_per_block, full_rest)
+        input_grad = r.train_last is None or not bottom
+        at_end = norm_saved_bytes(cfg, b, t, s, input_grad) + (kept if ckpt else 0)
+        end_work = work["end"] if input_grad else work["end, input frozen"]
+        sweep.append((kept, at_start + (kept if ckpt else 0), at_end, work["start"], end_work))
+    alive, done = activations, s * (counts.head + cfg.dim)  # head and final norm
+    peak = alive + max(held, done)
+    for kept, at_start, at_end, start_work, end_work in sweep:
+        alive -= kept
+        peak = max(peak, alive + at_start + max(held, done + s * cfg.dim * cfg.ffn_dim) + start_work)
+        done += block_grads
+        peak = max(peak, alive + at_end + max(held, done) + end_work)
+    return max(peak, alive + grads)  # the embedding's gradient, when everything trains
+
+
 def plan_memory(r: Recipe) -> MemoryPlan:
     """Bytes one process needs for the recipe, part by part, and its peak."""
     cfg = dataclasses.replace(r.cfg, dtype=r.param_dtype)
@@ -290,18 +341,7 @@ def plan_memory(r: Recipe) -> MemoryPlan:
     k = r.trained_blocks
     b, t = r.batch_size, r.seq_len
 
-    # Optimizer: torch's AdamW keeps exp_avg and exp_avg_sq in the parameter dtype; "float32" keeps both in float32
-    # next to a float32 master copy of each low-precision trained parameter (train.make_optimizer).
-    master = r.optimizer_state == "float32" and s < FP32
-    state_size = FP32 if r.optimizer_state == "float32" else s
-    optimizer_state = 2 * state_size * p + (FP32 * p if master else 0)
-    if master:
-        step_work = (FP32 - s) * p  # float32 gradients replace the low-precision ones, one tensor at a time
-    elif r.device_type == "cuda":
-        step_work = 0  # fused AdamW: no temporaries
-    else:
-        step_work = 3 * state_size * counts.largest_trainable  # per-tensor AdamW: sqrt(v), the quotient, ...
-
+    optimizer_state, step_work = optimizer_bytes(r, counts)
     # Trained blocks: k - 1 full ones (checkpointed, if asked) and the classifier's last block, at the pooled rows.
     full = max(k - 1, 0)
     full_first = block_saved_bytes(cfg, b, t, s, r.train_last is None, r.device_type)
@@ -314,7 +354,6 @@ def plan_memory(r: Recipe) -> MemoryPlan:
     activations = shared + last + (kept_first + (full - 1) * kept_per_block if full else 0)
 
     grads = s * p
-    block_grads = s * counts.block
     frozen_work = block_forward_work(cfg, b, t, s)
     # A checkpointed block's forward runs like a frozen one: its internals are temporaries.
     fwd_work = frozen_work if r.gradient_checkpointing else trained_forward_work(cfg, b, t)
@@ -322,33 +361,9 @@ def plan_memory(r: Recipe) -> MemoryPlan:
     # Gradients allocated through the forward: when accumulating (the earlier micro-batches' are there), and under
     # DDP, where they are views of its all-reduce buckets, zeroed between steps but never freed (distributed.wrap).
     held = grads if r.grad_accum > 1 or r.world_size > 1 else 0
-    ckpt = r.gradient_checkpointing
-
-    # Backward, block by block from the top (the head's and final norm's gradients come first, the embedding's
-    # last). A block starts with all its saved tensors alive (a checkpointed one recomputes them next to its kept
-    # input), the gradients of the blocks above and its first weight gradient (down_proj's); it ends in its
-    # attention norm with only that norm's saved tensors left and all its weight gradients. Blocks below it still
-    # hold what they saved.
-    sweep = []  # (kept until its turn, alive at its start, alive at its end, start temporaries, end temporaries)
-    if k:
-        input_grad = full > 0 or r.train_last is None
-        end_work = work["end"] if input_grad else work["end, input frozen"]
-        sweep.append((last, last, norm_saved_bytes(cfg, b, t, s, input_grad), work["last start"], end_work))
-    for i in range(full):
-        bottom = i == full - 1
-        kept, saved = (kept_first, full_first) if bottom else (kept_per_block, full_rest)
-        input_grad = r.train_last is None or not bottom
-        at_end = norm_saved_bytes(cfg, b, t, s, input_grad) + (kept if ckpt else 0)
-        end_work = work["end"] if input_grad else work["end, input frozen"]
-        sweep.append((kept, saved + (kept if ckpt else 0), at_end, work["start"], end_work))
-    alive, done = activations, s * (counts.head + cfg.dim)  # head and final norm
-    backward = alive + max(held, done)
-    for kept, at_start, at_end, start_work, end_work in sweep:
-        alive -= kept
-        backward = max(backward, alive + at_start + max(held, done + s * cfg.dim * cfg.ffn_dim) + start_work)
-        done += block_grads
-        backward = max(backward, alive + at_end + max(held, done) + end_work)
-    backward = max(backward, alive + grads)  # the embedding's gradient, when everything trains
+    backward = backward_peak(
+        r, cfg, counts, activations, held, (last, kept_first, kept_per_block, full_first, full_rest)
+    )
     phases = {
         "frozen forward": frozen_work + held,
         "forward": activations + fwd_work + held,

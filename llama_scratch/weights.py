@@ -21,6 +21,7 @@ from pathlib import Path
 
 import torch
 from torch import nn
+from tqdm.auto import tqdm
 
 from .atomic import write_atomic, write_text_atomic
 from .checkpoint_files import (
@@ -99,9 +100,21 @@ def load_weights(
     device = _normalize(device)
     aliases = _aliases(model)
     show = progress if progress is not None else int(os.environ.get("RANK", "0")) == 0
-    total = sum(e.nbytes for e in entries.values())
-    from tqdm.auto import tqdm
+    _stream(files, entries, params, aliases, device, mmap, show, report)
+    if tied_head is not None:
+        _check_tied_head(tied_head, model.embed_tokens.weight, strict, report)
+    for name in missing:
+        report.missing.append(name)
+        _init_missing(params[name], aliases, device)
+    _materialize_buffers(model, device or model.embed_tokens.weight.device)
+    report.seconds = time.perf_counter() - start
+    return report
 
+
+def _stream(files: list[Path], entries: dict, params: dict, aliases: dict, device, mmap: bool, show: bool,
+            report: LoadReport) -> None:  # fmt: skip
+    """Every tensor into its parameter, file by file in the order the bytes lie on disk, with a progress bar."""
+    total = sum(e.nbytes for e in entries.values())
     bar = tqdm(total=total, unit="B", unit_scale=True, unit_divisor=1024, desc="loading weights", disable=not show)
     with bar:
         for file in files:
@@ -113,14 +126,6 @@ def load_weights(
                     report.loaded += 1
                     report.bytes += entries[name].nbytes
                     bar.update(entries[name].nbytes)
-    if tied_head is not None:
-        _check_tied_head(tied_head, model.embed_tokens.weight, strict, report)
-    for name in missing:
-        report.missing.append(name)
-        _init_missing(params[name], aliases, device)
-    _materialize_buffers(model, device or model.embed_tokens.weight.device)
-    report.seconds = time.perf_counter() - start
-    return report
 
 
 def _match(files: list[Path], params: dict, report: LoadReport) -> tuple[dict[str, TensorInfo], list[TensorInfo]]:
