@@ -14,6 +14,8 @@ from llama_scratch.weights import save_checkpoint
 
 from .test_finetune import args_for
 
+pytest_plugins = ["tests.smollm2"]  # the SmolLM2 fixtures: smollm2_dir
+
 
 def test_classify_does_not_cut_texts_to_the_training_length(small_csv, tmp_path):
     out = tmp_path / "run"
@@ -84,3 +86,107 @@ def test_auto_dtype_keeps_the_stored_dtype_when_a_float32_copy_would_not_fit(mon
     assert "would not fit" in lines[0] and "--dtype float32" in lines[0]
     assert choose_dtype("auto", cpu, torch.bfloat16, 1_000_000_000, lines.append) == torch.float32
     assert choose_dtype("float32", cpu, torch.bfloat16, 8_000_000_000, lines.append) == torch.float32
+
+
+def test_a_resume_point_holds_only_what_trains(tmp_path):
+    """On CPU the trained tensors are views of the memory-mapped checkpoint; a resume point must still hold their
+    own bytes only (torch.save wrote the whole mapped file: 595 MB instead of ~85 MB for the default job)."""
+    from llama_scratch import LlamaClassifier, sources, train
+
+    cfg = LlamaConfig.from_name("tiny")
+    save_checkpoint(Llama(cfg), cfg, tmp_path / "base")
+    clf = LlamaClassifier(sources.load_model(tmp_path / "base"), num_classes=2, train_last=1)
+    s = train.TrainSettings()
+    opt = train.make_optimizer(clf, s)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda step: 1.0)
+    for p in clf.trainable_parameters().values():  # one step, so AdamW has its moments
+        p.grad = torch.ones_like(p)
+    opt.step()
+    path = tmp_path / "resume.safetensors"
+    train.save_resume_point(path, clf, opt, sched, train.TrainState(), s, {})
+    trained = sum(p.numel() * p.element_size() for p in clf.trainable_parameters().values())
+    state = sum(t.numel() * t.element_size() for v in opt.state.values() for t in v.values() if t.dim())
+    checkpoint = (tmp_path / "base" / "model.safetensors").stat().st_size
+    assert trained < checkpoint / 4  # the test means something: the mapped file is far larger
+    assert path.stat().st_size <= 1.5 * trained + state, (path.stat().st_size, trained, state)
+
+
+def test_every_option_names_one_default_and_it_is_the_code_s():
+    import argparse
+    import dataclasses
+
+    from llama_scratch.train import TrainSettings
+
+    parser_actions = []
+    real_parse = argparse.ArgumentParser.parse_args
+    argparse.ArgumentParser.parse_args = lambda self, argv=None: (
+        parser_actions.extend(self._actions) or real_parse(self, argv)
+    )
+    try:
+        finetune_classifier.parse_args([])
+    finally:
+        argparse.ArgumentParser.parse_args = real_parse
+    settings = {f.name: f.default for f in dataclasses.fields(TrainSettings)}
+    for action in parser_actions:
+        if not action.option_strings or action.help == argparse.SUPPRESS or action.dest == "help":
+            continue
+        flag = action.option_strings[0]
+        if isinstance(action, argparse._StoreTrueAction) or action.dest in ("resume", "overwrite", "plan"):
+            continue
+        assert action.help.count("default") == 1, f"{flag}: {action.help}"
+        if action.dest in settings and action.dest != "class_weights":  # "none" on the command line, None inside
+            value = settings[action.dest]
+            if action.default is not None:  # the flag's default is the recipe's
+                assert action.default == value, flag
+            if value is not None:  # and the help names it
+                shown = f"{value:g}" if isinstance(value, float) else str(value)
+                assert f"default: {shown}" in action.help, f"{flag}: {action.help}"
+    assert finetune_classifier.parse_args([]).epochs is None  # raised for small data unless given
+
+
+def test_small_data_gets_more_epochs_and_a_useless_model_is_called_out():
+    from llama_scratch.distributed import Dist
+
+    args = finetune_classifier.parse_args(["--data", "x.csv"])
+    lines = []
+    settings = finetune_classifier.recipe(args, False, [0, 1] * 21, 2, Dist(), lines.append)
+    assert settings.epochs == 20 and "20 epochs instead of 5" in lines[0]  # 42 rows: 5 steps an epoch -> 100 steps
+    big = finetune_classifier.recipe(args, False, [0, 1] * 520, 2, Dist(), lines.append)
+    assert big.epochs == 5 and len(lines) == 1  # the default job is left as it was
+    fixed = finetune_classifier.recipe(finetune_classifier.parse_args(["--epochs", "3"]), False, [0, 1] * 21, 2,
+                                       Dist(), lines.append)  # fmt: skip
+    assert fixed.epochs == 3
+    finetune_classifier.warn_if_one_class(0.5, [0, 0, 1, 1], lines.append)
+    assert "no better than always answering the commonest class" in lines[-1]
+    finetune_classifier.warn_if_one_class(0.75, [0, 0, 1, 1], lines.append)
+    assert len(lines) == 2
+
+
+POSITIVE = ["loved", "great", "wonderful", "excellent", "fantastic", "delightful", "superb", "brilliant", "amazing",
+            "perfect"]  # fmt: skip
+NEGATIVE = ["hated", "awful", "terrible", "dreadful", "horrible", "disappointing", "poor", "boring", "useless",
+            "broken"]  # fmt: skip
+THINGS = ["the film", "this blender", "the hotel", "our dinner", "the service", "this phone"]
+
+
+def made_up_reviews() -> list[tuple[str, str]]:
+    """60 short reviews a person would label at a glance: 30 praising, 30 complaining."""
+    rows = []
+    for i in range(30):
+        thing = THINGS[i % len(THINGS)]
+        rows.append((f"{thing.capitalize()} was {POSITIVE[i % 10]}, I would recommend it to anyone.", "pos"))
+        rows.append((f"{thing.capitalize()} was {NEGATIVE[i % 10]}, I want my money back.", "neg"))
+    return rows
+
+
+def test_sixty_separable_reviews_learn_with_the_default_recipe(smollm2_dir, tmp_path):
+    import csv
+
+    data = tmp_path / "small.csv"
+    with data.open("w", newline="") as f:
+        csv.writer(f).writerows([("review", "sentiment"), *made_up_reviews()])
+    out = tmp_path / "run"
+    assert finetune_classifier.main(["--data", str(data), "--model", str(smollm2_dir), "--output", str(out)]) == 0
+    metrics = json.loads((out / "metrics.json").read_text())
+    assert metrics["steps"] >= 100  # 42 training rows: the epochs were raised
+    assert metrics["test_accuracy"] >= 0.9, metrics
