@@ -76,6 +76,12 @@ def wrap(model: nn.Module, env: Dist, device: torch.device) -> nn.Module:
     """
     if not env.enabled:
         return model
+    # Gradients that exist when DDP is built become views of its buckets at once. Left to the first backward, the
+    # first step's gradients (all of them, under --grad-accum, where that backward skips the all-reduce) are plain
+    # tensors beside the already-allocated buckets: twice the gradient memory until the first synced step.
+    for p in model.parameters():
+        if p.requires_grad and p.grad is None:
+            p.grad = torch.zeros_like(p)
     device_ids = [device.index] if device.type == "cuda" else None
     # The only buffers are the rotary tables, computed identically everywhere: nothing to broadcast each step
     # (newer torch names the switch forward_sync_buffers, older versions broadcast_buffers).

@@ -37,6 +37,9 @@ GRADIENTS_SCRIPT = textwrap.dedent(
         torch.manual_seed(0)
         clf = LlamaClassifier(Llama(LlamaConfig.from_name("tiny", dtype=dtype)), num_classes=2, train_last=2)
         model = distributed.wrap(clf, env, device)
+        trained = [p for p in clf.parameters() if p.requires_grad]
+        # From the start, before the first backward (which, under --grad-accum 2, skips the all-reduce).
+        assert all(p.grad is not None and p.grad._base is not None for p in trained), state
         settings = TrainSettings(epochs=1, batch_size=4, grad_accum=2, save_every=1000, optimizer_state=state)
         with tempfile.TemporaryDirectory() as out:
             train(model, {"train": split, "val": split}, 2, 0, settings, env, device, Path(out), log=lambda *a: None)
