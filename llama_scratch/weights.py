@@ -228,13 +228,19 @@ def _check_tied_head(e: TensorInfo, embed: torch.Tensor, strict: bool, report: L
     staged = torch.empty(e.shape, dtype=e.dtype)
     with open(e.file, "rb", buffering=0) as fh:
         _read_into(fh, e, staged)
-    if e.shape == tuple(embed.shape) and torch.equal(staged.to(embed.device, embed.dtype), embed):
+    if e.shape == tuple(embed.shape) and _equal_on_cpu(staged.to(embed.dtype), embed):
         report.skipped.append(f"{e.name} (equal to the tied embedding)")
         return
     why = f"{e.name} in {e.file} differs from model.embed_tokens.weight, but the config ties them"
     if strict:
         raise CheckpointError(f"{why}; set tie_word_embeddings=false in config.json (LlamaConfig.tie_embeddings)")
     report.skipped.append(f"{e.name} (differs from the tied embedding; tie kept)")
+
+
+def _equal_on_cpu(a: torch.Tensor, b: torch.Tensor, rows: int = 4096) -> bool:
+    """a (on the CPU) == b (anywhere), compared a few thousand rows at a time: copying all of `a` to a GPU to
+    compare would put a second embedding there (1 GiB for Llama-3-8B) for a moment."""
+    return all(torch.equal(a[i : i + rows], b[i : i + rows].cpu()) for i in range(0, a.shape[0], rows))
 
 
 def _init_missing(param: nn.Parameter, aliases: dict, device: torch.device | None) -> None:
