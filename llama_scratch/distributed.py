@@ -17,7 +17,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-from .devices import resolve_device
+from .devices import DeviceError, resolve_device
 
 COLLECTIVE_TIMEOUT = timedelta(hours=2)
 
@@ -41,17 +41,15 @@ class Dist:
 def setup(device: str | None = None) -> tuple[Dist, torch.device]:
     """Join the process group when started by torchrun, and choose this process's device.
 
-    GPUs: one per process (cuda:LOCAL_RANK) and the nccl backend. CPU: the gloo backend.
+    GPUs: one per process (see `process_device`) and the nccl backend. CPU: the gloo backend.
     """
     env = Dist(
         rank=int(os.environ.get("RANK", 0)),
         local_rank=int(os.environ.get("LOCAL_RANK", 0)),
         world_size=int(os.environ.get("WORLD_SIZE", 1)),
     )
-    dev = resolve_device(device)
+    dev = process_device(device, env, torch.cuda.device_count() if torch.cuda.is_available() else 0)
     if dev.type == "cuda":
-        if env.enabled or dev.index is None:
-            dev = torch.device("cuda", env.local_rank if env.enabled else torch.cuda.current_device())
         torch.cuda.set_device(dev)
     if env.enabled and not dist.is_initialized():
         backend = "nccl" if dev.type == "cuda" else "gloo"
@@ -59,6 +57,26 @@ def setup(device: str | None = None) -> tuple[Dist, torch.device]:
         # optimizer state is tens of GB): allow that far longer than torch's default of 10 minutes.
         dist.init_process_group(backend, device_id=dev if dev.type == "cuda" else None, timeout=COLLECTIVE_TIMEOUT)
     return env, dev
+
+
+def process_device(requested: str | None, env: Dist, gpus: int) -> torch.device:
+    """This process's device. Alone: what was asked (`auto`: a GPU if any). Under torchrun each process takes one
+    of the GPUs it sees: local rank modulo their count, so that a launcher which shows each process only its own
+    GPU (Slurm's --gpus-per-task: CUDA_VISIBLE_DEVICES of one) gives cuda:0, not an invalid cuda:LOCAL_RANK.
+    Naming one GPU (`cuda:N`) under torchrun is refused: every process would take the same one."""
+    if not env.enabled:
+        dev = resolve_device(requested)
+        return torch.device("cuda", torch.cuda.current_device()) if dev.type == "cuda" and dev.index is None else dev
+    if requested not in (None, "auto", "cpu", "cuda"):
+        raise DeviceError(
+            f"--device {requested} under torchrun: each process takes the GPU of its local rank; pass --device cuda "
+            "(or auto), and choose the GPUs with CUDA_VISIBLE_DEVICES"
+        )
+    if requested == "cpu" or gpus == 0:
+        if requested == "cuda":
+            raise DeviceError("--device cuda: no CUDA GPU is visible; use --device cpu")
+        return torch.device("cpu")
+    return torch.device("cuda", env.local_rank % gpus)
 
 
 def teardown() -> None:
@@ -152,3 +170,11 @@ def broadcast_object(obj):
     box = [obj]
     dist.broadcast_object_list(box, src=0)
     return box[0]
+
+
+def broadcast_parameters(params: list[torch.Tensor]) -> None:
+    """Rank 0's values of these tensors, copied into every process's (the same shapes everywhere): how the best
+    weights reach the other processes without a shared filesystem."""
+    if dist.is_initialized():
+        for p in params:
+            dist.broadcast(p.data, src=0)

@@ -329,10 +329,13 @@ def final_metrics(job: Job, model, clf: LlamaClassifier, splits: dict[str, Split
                   settings: TrainSettings, state) -> dict:  # fmt: skip
     """Every split evaluated with the best weights (by validation accuracy), and the run's figures."""
     best = job.out / BEST_FILE
-    if job.env.is_main and not best.exists():  # no epoch ended here (resumed after the last one)
-        save_classifier(clf, job.choice.from_scratch, best)
-    distributed.barrier()
-    copy_named_tensors(clf, load_file(best, device=str(job.device)), str(best))
+    if job.env.is_main:
+        if not best.exists():  # no epoch ended here (resumed after the last one)
+            save_classifier(clf, job.choice.from_scratch, best)
+        copy_named_tensors(clf, load_file(best, device=str(job.device)), str(best))
+    # The other processes receive rank 0's best weights: they may not see its files (several nodes, no shared disk).
+    saved = clf.named_parameters() if job.choice.from_scratch else clf.trainable_parameters().items()
+    distributed.broadcast_parameters([p for _, p in saved])
     data, choice = job.data, job.choice
     results = {
         k: evaluate(model, splits[k], data.num_classes, pad_id, settings, job.env, job.device, f"final {k}")

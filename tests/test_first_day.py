@@ -190,3 +190,22 @@ def test_sixty_separable_reviews_learn_with_the_default_recipe(smollm2_dir, tmp_
     metrics = json.loads((out / "metrics.json").read_text())
     assert metrics["steps"] >= 100  # 42 training rows: the epochs were raised
     assert metrics["test_accuracy"] >= 0.9, metrics
+
+
+def test_each_process_takes_a_gpu_it_can_see():
+    from llama_scratch.devices import DeviceError
+    from llama_scratch.distributed import Dist, process_device
+
+    # Slurm --gpus-per-task: every process sees one GPU (CUDA_VISIBLE_DEVICES of one), local ranks 0..7.
+    assert process_device("auto", Dist(rank=13, local_rank=5, world_size=16), gpus=1) == torch.device("cuda", 0)
+    # torchrun on a node of 8 GPUs, every process seeing all of them.
+    assert process_device("cuda", Dist(rank=13, local_rank=5, world_size=16), gpus=8) == torch.device("cuda", 5)
+    assert process_device("auto", Dist(rank=1, local_rank=1, world_size=2), gpus=0) == torch.device("cpu")
+    for wrong in ("cuda:3", "cuda"):
+        gpus = 8 if wrong == "cuda:3" else 0
+        try:
+            process_device(wrong, Dist(rank=1, local_rank=1, world_size=2), gpus=gpus)
+        except DeviceError as e:
+            assert "--device" in str(e)
+        else:
+            raise AssertionError(f"--device {wrong} under torchrun was accepted")
