@@ -269,7 +269,11 @@ def run(args: argparse.Namespace) -> dict:
         f"{choice.dtype}")  # fmt: skip
     if use_cache(args.cache_frozen, clf, {k: v.ids for k, v in splits.items()}, device, env, log):
         splits = {
-            k: Split(v.ids, v.labels, compute_frozen_states(clf, v.ids, tokenizer.pad_id, settings.eval_rows, env=env))
+            k: Split(
+                v.ids,
+                v.labels,
+                compute_frozen_states(clf, v.ids, tokenizer.pad_id, settings.eval_rows, env=env, name=k),
+            )
             for k, v in splits.items()
         }
     model = distributed.wrap(clf, env, device)

