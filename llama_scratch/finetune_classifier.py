@@ -8,6 +8,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import functools
+import os
 import sys
 import time
 import warnings
@@ -370,6 +371,9 @@ def final_metrics(job: Job, model, clf: LlamaClassifier, splits: dict[str, Split
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    # Before the first CUDA allocation: segments that grow in place instead of new blocks beside old ones, so a
+    # long run's memory does not fragment past the plan (the user's own setting wins).
+    os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
     sigterm_as_ctrl_c()
     try:
         run(args)
