@@ -32,7 +32,7 @@ from .interrupts import sigterm_as_ctrl_c
 from .model import Llama
 from .plan import count_parameters
 from .plan_report import plan_command, plans_from_scratch
-from .prefix_cache import compute_frozen_states, use_cache
+from .prefix_cache import cache_splits, use_cache
 from .run_dir import BEST_FILE, base_model_record, check_output, default_output, start_output, write_results
 from .sources import (
     chosen_train_last,
@@ -269,14 +269,7 @@ def run(args: argparse.Namespace) -> dict:
     log(f"training {n_train:,} of {sum(p.numel() for p in clf.parameters()):,} parameters on {device} in "
         f"{choice.dtype}")  # fmt: skip
     if use_cache(args.cache_frozen, clf, {k: v.ids for k, v in splits.items()}, device, env, log):
-        splits = {
-            k: Split(
-                v.ids,
-                v.labels,
-                compute_frozen_states(clf, v.ids, tokenizer.pad_id, settings.eval_rows, env=env, name=k),
-            )
-            for k, v in splits.items()
-        }
+        splits = cache_splits(clf, splits, tokenizer.pad_id, settings.eval_rows, env)
     model = distributed.wrap(clf, env, device)
     start_output(out, args.resume, args.output is None, env)
     save = functools.partial(save_classifier, clf, choice.from_scratch)
@@ -284,18 +277,7 @@ def run(args: argparse.Namespace) -> dict:
                   lambda epoch: save(out / BEST_FILE), log, run_identity=run_identity(job, max_length))  # fmt: skip
     metrics = final_metrics(job, model, clf, splits, tokenizer.pad_id, settings, state)
     if env.is_main:
-        meta = {
-            **base_model_record(choice.ref, choice.repo_id, out),
-            "weights_include_backbone": choice.from_scratch,
-            "config": backbone.cfg.to_hf_dict(),
-            "num_classes": data.num_classes,
-            "label_names": data.label_names,
-            "train_last": choice.train_last,
-            "tokenizer": tokenizer_ref,
-            "max_length": max_length,
-            "dtype": metrics["dtype"],
-            "settings": dataclasses.asdict(settings),
-        }
+        meta = classifier_meta(job, backbone.cfg, tokenizer_ref, max_length, settings)
         write_results(out, save, metrics, meta, state.history)
         warn_if_one_class(metrics["val_accuracy"], parts["val"].labels, log)
         log(
@@ -303,6 +285,23 @@ def run(args: argparse.Namespace) -> dict:
             f"{metrics['train_accuracy']:.2%}); {metrics['seconds']:.0f} s. Results in {out}/"
         )
     return metrics
+
+
+def classifier_meta(job: Job, cfg: LlamaConfig, tokenizer_ref: str, max_length: int, settings: TrainSettings) -> dict:
+    """classifier.json: what `classify` needs to rebuild the classifier, and how it was trained."""
+    choice = job.choice
+    return {
+        **base_model_record(choice.ref, choice.repo_id, job.out),
+        "weights_include_backbone": choice.from_scratch,
+        "config": cfg.to_hf_dict(),
+        "num_classes": job.data.num_classes,
+        "label_names": job.data.label_names,
+        "train_last": choice.train_last,
+        "tokenizer": tokenizer_ref,
+        "max_length": max_length,
+        "dtype": str(choice.dtype).removeprefix("torch."),
+        "settings": dataclasses.asdict(settings),
+    }
 
 
 def run_identity(job: Job, max_length: int) -> dict:

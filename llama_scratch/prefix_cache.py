@@ -11,7 +11,7 @@ import torch
 from tqdm.auto import tqdm
 
 from . import distributed
-from .batching import collate, length_sorted_batches
+from .batching import Split, collate, length_sorted_batches
 from .classifier import LlamaClassifier
 from .devices import free_memory, memory_budget
 from .distributed import Dist
@@ -87,3 +87,11 @@ def use_cache(
             return False
     log(f"caching the output of the {frozen} frozen blocks for every text ({size / 2**20:,.0f} MiB)")
     return True
+
+
+def cache_splits(clf: LlamaClassifier, splits: dict[str, Split], pad_id: int, rows: int, env: Dist) -> dict[str, Split]:
+    """The same splits, each text carrying its frozen-prefix output (the training loop then runs only the rest)."""
+    return {
+        k: Split(v.ids, v.labels, compute_frozen_states(clf, v.ids, pad_id, rows, env=env, name=k))
+        for k, v in splits.items()
+    }
