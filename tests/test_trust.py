@@ -263,3 +263,16 @@ def test_the_classify_command_reports_a_bad_run_in_one_line(tmp_path):
         text=True,
     )
     assert r.returncode == 2 and r.stderr.startswith("error:") and len(r.stderr.strip().splitlines()) == 1, r.stderr
+
+
+def test_a_file_with_100k_labels_is_refused_before_training(tmp_path, capsys):
+    """Before: loaded, then a 100k x 100k confusion matrix (~75 GiB) after the first epoch was paid for."""
+    import time
+
+    data = tmp_path / "ids.csv"
+    data.write_text("text,label\n" + "".join(f"message number {i},id-{i}\n" for i in range(100_000)))
+    started = time.perf_counter()
+    assert finetune_classifier.main(["--model", "tiny", "--data", str(data), "--output", str(tmp_path / "o")]) == 2
+    err = capsys.readouterr().err
+    assert "100,000 distinct labels in 100,000 rows" in err and "--label-column" in err, err
+    assert time.perf_counter() - started < 30 and not (tmp_path / "o").exists()
