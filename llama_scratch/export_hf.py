@@ -103,8 +103,8 @@ def export(run: Path, out: Path, dtype: str | None = None, model: str | None = N
     source = str(run / "classifier.json")
     cfg = LlamaConfig.from_hf_dict(meta["config"], source=source)
     torch_dtype = parse_dtype(dtype or meta["dtype"])
-    if torch_dtype not in (torch.float32, torch.bfloat16):
-        raise ExportError(f"--dtype {dtype or meta['dtype']}: an export is bfloat16 or float32")
+    if torch_dtype not in (torch.float32, torch.bfloat16):  # only a run trained in float16 gets here
+        raise ExportError(f"the run trained in {meta['dtype']}; pass --dtype bfloat16 or --dtype float32")
     base = None if meta["weights_include_backbone"] else local_checkpoint(find_base_model(meta, run, model), log)
     if base is not None and not Path(base).is_dir():
         raise ExportError(f"the base model {base} is not a checkpoint directory; pass --model PATH")

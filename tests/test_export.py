@@ -47,7 +47,8 @@ def hf_load(out) -> tuple[transformers.PreTrainedModel, transformers.PreTrainedT
     """The export through transformers alone, every tensor accounted for."""
     model, info = transformers.AutoModelForSequenceClassification.from_pretrained(out, output_loading_info=True)
     assert not any(info.values()), info  # no missing, unexpected or mismatched tensor
-    return model.float().eval(), transformers.AutoTokenizer.from_pretrained(out)
+    assert model.dtype == torch.float32
+    return model.eval(), transformers.AutoTokenizer.from_pretrained(out)
 
 
 @torch.no_grad()
@@ -203,6 +204,7 @@ def test_a_lora_run_exports_with_its_adapters_merged(pretrained_run, tmp_path):
         module.register_forward_hook(lambda m, args, y, a=a, b=b: y + ALPHA / RANK * (args[0] @ a.T @ b.T))
     assert logit_gap(clf, model, ids, tokenizer.pad_id, "right") < 1e-4
     assert logit_gap(clf, model, ids, tokenizer.pad_id, "left") < 1e-4
+    assert "LoRA: rank 4, alpha 8.0, targets q_proj, v_proj, down_proj, blocks 2, 3" in (out / "README.md").read_text()
 
 
 def test_adapters_without_lora_settings_are_refused(pretrained_run, tmp_path, capsys):
