@@ -41,6 +41,7 @@ def tokenizer_files(source: Path, tokenizer: Tokenizer, max_length: int) -> dict
         beside = source.with_name("tokenizer_config.json")
         config = json.loads(beside.read_text(encoding="utf-8")) if beside.is_file() else {}
         config.pop("added_tokens_decoder", None)  # transformers rebuilds it from tokenizer.json
+        config.pop("chat_template", None)  # training saw plain texts; with split_special_tokens a chat would not work
         if tokenizer_json.get("post_processor") is None:  # transformers < 5 ignores add_bos_token here
             tokenizer_json["post_processor"] = bos_template(tokenizer)
     else:
