@@ -198,6 +198,26 @@ def _check_layout(file: Path, tensors: dict[str, TensorInfo]) -> None:
         previous = e
 
 
+def read_into(fh, e: TensorInfo, out: torch.Tensor) -> None:
+    """Fill the contiguous CPU tensor `out` with the tensor's bytes, read straight from the file into its memory."""
+    view = memoryview(out.reshape(-1).view(torch.uint8).numpy())
+    fh.seek(e.offset)
+    done = 0
+    while done < e.nbytes:  # one read returns at most ~2 GiB on Linux
+        n = fh.readinto(view[done:])
+        if not n:
+            raise CheckpointError(f"{e.file} is truncated: unexpected end of file while reading {e.name}")
+        done += n
+
+
+def read_tensor(e: TensorInfo) -> torch.Tensor:
+    """One tensor as a new CPU tensor of its file dtype: a reader that holds one tensor, never the whole file."""
+    out = torch.empty(e.shape, dtype=e.dtype)
+    with open(e.file, "rb", buffering=0) as fh:
+        read_into(fh, e, out)
+    return out
+
+
 def find_checkpoint_files(path: str | Path) -> list[Path]:
     """The safetensors files of a checkpoint: a directory in Hugging Face layout, an index json, or one file."""
     path = Path(path)

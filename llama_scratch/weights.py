@@ -32,6 +32,7 @@ from .checkpoint_files import (
     hf_to_ours,
     ours_to_hf,
     read_header,
+    read_into,
 )
 from .config import LlamaConfig
 from .model import Llama
@@ -191,10 +192,10 @@ def _load_one(fh, e: TensorInfo, param: nn.Parameter, aliases: dict, device: tor
     dest = param.data if in_place else torch.empty(param.shape, dtype=param.dtype, device=target)
     with torch.no_grad():
         if dest.device.type == "cpu" and dest.dtype == e.dtype:
-            _read_into(fh, e, dest)
+            read_into(fh, e, dest)
         else:
             staged = torch.empty(e.shape, dtype=e.dtype)
-            _read_into(fh, e, staged)
+            read_into(fh, e, staged)
             dest.copy_(staged)
             del staged
     if not in_place:
@@ -211,23 +212,11 @@ def _put(old: nn.Parameter, data: torch.Tensor, aliases: dict) -> nn.Parameter:
     return new
 
 
-def _read_into(fh, e: TensorInfo, out: torch.Tensor) -> None:
-    """Fill the contiguous CPU tensor `out` with the tensor's bytes, read straight from the file into its memory."""
-    view = memoryview(out.reshape(-1).view(torch.uint8).numpy())
-    fh.seek(e.offset)
-    done = 0
-    while done < e.nbytes:  # one read returns at most ~2 GiB on Linux
-        n = fh.readinto(view[done:])
-        if not n:
-            raise CheckpointError(f"{e.file} is truncated: unexpected end of file while reading {e.name}")
-        done += n
-
-
 def _check_tied_head(e: TensorInfo, embed: torch.Tensor, strict: bool, report: LoadReport) -> None:
     """A tied model ignores a stored lm_head.weight, but only silently if it equals the embedding."""
     staged = torch.empty(e.shape, dtype=e.dtype)
     with open(e.file, "rb", buffering=0) as fh:
-        _read_into(fh, e, staged)
+        read_into(fh, e, staged)
     if e.shape == tuple(embed.shape) and _equal_on_cpu(staged.to(embed.dtype), embed):
         report.skipped.append(f"{e.name} (equal to the tied embedding)")
         return

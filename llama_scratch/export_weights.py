@@ -1,0 +1,240 @@
+"""The weights of an export: the base checkpoint with a run's trained tensors over it and its LoRA adapters merged
+in, written as the shards of a Hugging Face `LlamaForSequenceClassification`, one tensor at a time.
+
+Every output tensor is planned from safetensors headers first (its name, its shape, which bytes it is made of), so
+names, shapes and coverage are checked before anything is written, and each shard's header is known before its
+data. Then each tensor is read, merged, cast and written before the next one is read: the process holds one tensor
+(and its adapters) at a time, never a shard and never the model.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import re
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from .atomic import write_atomic, write_text_atomic
+from .checkpoint_files import (
+    IGNORABLE,
+    CheckpointError,
+    TensorInfo,
+    find_checkpoint_files,
+    hf_to_ours,
+    ours_to_hf,
+    read_header,
+    read_tensor,
+)
+from .config import LlamaConfig
+from .model import Llama
+
+HEAD = "score.weight"  # transformers' name for the classification head of LlamaForSequenceClassification
+INDEX = "model.safetensors.index.json"
+SAFETENSORS_DTYPES = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16"}
+# An adapter of one projection, as a LoRA run saves it: backbone.blocks.{i}.{path}.lora_a / .lora_b
+_ADAPTER = re.compile(r"backbone\.(?P<module>blocks\.(?P<block>\d+)\.(?P<path>.+))\.lora_(?P<part>[ab])")
+
+
+def merge_lora(weight: torch.Tensor, lora_a: torch.Tensor, lora_b: torch.Tensor, alpha: float,
+               rank: int) -> torch.Tensor:  # fmt: skip
+    """W + (alpha / rank) * (lora_b @ lora_a), in float32: in bfloat16 the small update would round away.
+
+    weight [out, in], lora_a [rank, in], lora_b [out, rank]; the result is float32, for the caller to cast."""
+    return weight.float() + (alpha / rank) * (lora_b.float() @ lora_a.float())
+
+
+@dataclass(frozen=True)
+class Lora:
+    """classifier.json's "lora" entry: the merge needs alpha / rank; blocks and targets say which adapters to expect."""
+
+    rank: int
+    alpha: float
+    blocks: tuple[int, ...]
+    targets: tuple[str, ...]
+
+    @classmethod
+    def from_meta(cls, entry: object, source: str) -> Lora | None:
+        if entry is None:
+            return None
+        try:
+            lora = cls(int(entry["rank"]), float(entry["alpha"]), tuple(map(int, entry["blocks"])),
+                       tuple(map(str, entry["targets"])))  # fmt: skip
+        except (KeyError, TypeError, ValueError) as e:
+            raise CheckpointError(f"{source}: 'lora' needs rank, alpha, blocks and targets ({e!r})") from None
+        if lora.rank < 1:
+            raise CheckpointError(f"{source}: lora rank {lora.rank} is not a positive number")
+        return lora
+
+    def covers(self, block: int, path: str) -> bool:
+        """An adapter on blocks.{block}.{path} (say attention.q_proj) is one these settings describe."""
+        return block in self.blocks and any(path == t or path.endswith("." + t) for t in self.targets)
+
+
+@dataclass(frozen=True)
+class Planned:
+    """One output tensor: its name and shape, the file entry it starts from, and the adapter merged into it."""
+
+    name: str
+    shape: tuple[int, ...]
+    source: TensorInfo
+    adapter: tuple[TensorInfo, TensorInfo] | None = None  # (lora_a, lora_b)
+
+
+def expected_shapes(cfg: LlamaConfig, num_classes: int) -> dict[str, tuple[int, ...]]:
+    """Every tensor of the exported model in model order, Hugging Face names: the backbone without lm_head, and
+    the head. Read off a model on the meta device, so they cannot drift from `model.py`."""
+    with torch.device("meta"):
+        model = Llama(dataclasses.replace(cfg, dtype=torch.float32))
+    shapes = {ours_to_hf(n): tuple(p.shape) for n, p in model.named_parameters() if n != "lm_head.weight"}
+    return shapes | {HEAD: (num_classes, cfg.dim)}
+
+
+def base_tensors(base: Path) -> dict[str, TensorInfo]:
+    """The base checkpoint's tensors by Hugging Face name; lm_head and recomputed rotary tables are left out."""
+    found: dict[str, TensorInfo] = {}
+    for file in find_checkpoint_files(base):
+        for e in read_header(file).values():
+            ours = hf_to_ours(e.name)
+            if ours == "lm_head.weight" or (ours is None and IGNORABLE.fullmatch(e.name)):
+                continue
+            name = ours_to_hf(ours) if ours else e.name  # an unknown name is kept: the plan reports it
+            if name in found:
+                raise CheckpointError(f"{e.name} appears twice: in {found[name].file} and in {file}")
+            found[name] = e
+    return found
+
+
+def run_tensors(weights: Path) -> tuple[dict[str, TensorInfo], dict[str, dict[str, TensorInfo]]]:
+    """classifier.safetensors by Hugging Face name, and its LoRA adapters by the name of the weight they adapt."""
+    trained: dict[str, TensorInfo] = {}
+    adapters: dict[str, dict[str, TensorInfo]] = {}
+    for name, e in read_header(weights).items():
+        if m := _ADAPTER.fullmatch(name):
+            target = ours_to_hf(m["module"] + ".weight") or name
+            adapters.setdefault(target, {})[m["part"]] = e
+        elif name == "head.weight":
+            trained[HEAD] = e
+        elif name != "backbone.lm_head.weight":  # a tied duplicate or the frozen LM head: no part of the export
+            ours = name.removeprefix("backbone.")
+            trained[(ours_to_hf(ours) if name.startswith("backbone.") else None) or name] = e
+    return trained, adapters
+
+
+def plan_export(cfg: LlamaConfig, num_classes: int, weights: Path, base: Path | None,
+                lora: Lora | None) -> list[Planned]:  # fmt: skip
+    """Each output tensor with its sources: the run's trained tensor, else the base's; every problem (a tensor
+    missing, unknown or of the wrong shape, an adapter that does not fit) in one CheckpointError."""
+    expected = expected_shapes(cfg, num_classes)
+    trained, adapters = run_tensors(weights)
+    sources = {**(base_tensors(base) if base is not None else {}), **trained}
+    problems = [f"missing {n} {list(s)}" for n, s in expected.items() if n not in sources]
+    problems += [f"unknown tensor {e.name} in {e.file}" for n, e in sources.items() if n not in expected]
+    problems += [
+        f"{e.name} in {e.file} is {list(e.shape)}, the model's {n} is {list(expected[n])}"
+        for n, e in sources.items()
+        if n in expected and e.shape != expected[n]
+    ]
+    problems += adapter_problems(adapters, lora, expected, weights)
+    if problems:
+        shown = "; ".join(problems[:6]) + (f"; and {len(problems) - 6} more" if len(problems) > 6 else "")
+        raise CheckpointError(f"cannot export {weights.parent}: {shown}")
+    return [
+        Planned(n, s, sources[n], (adapters[n]["a"], adapters[n]["b"]) if n in adapters else None)
+        for n, s in expected.items()
+    ]
+
+
+def adapter_problems(adapters: dict[str, dict[str, TensorInfo]], lora: Lora | None,
+                     expected: dict[str, tuple[int, ...]], weights: Path) -> list[str]:  # fmt: skip
+    """What keeps the adapters from an exact merge: settings and tensors that disagree, a half, a wrong shape."""
+    if lora is None:
+        return [f"{weights} holds LoRA adapters but classifier.json has no 'lora' settings"] if adapters else []
+    if not adapters:
+        return [f"classifier.json describes LoRA adapters but {weights} holds none"]
+    problems = []
+    for name, parts in adapters.items():
+        a, b = parts.get("a"), parts.get("b")
+        m = _ADAPTER.fullmatch((a or b).name)
+        if a is None or b is None:
+            problems.append(f"{(a or b).name} has no lora_{'b' if b is None else 'a'} beside it")
+        elif name not in expected or len(expected[name]) != 2:
+            problems.append(f"{a.name} adapts {name}, which is not a projection of the model")
+        elif a.shape != (lora.rank, expected[name][1]) or b.shape != (expected[name][0], lora.rank):
+            want = f"[{lora.rank}, {expected[name][1]}] and [{expected[name][0]}, {lora.rank}]"
+            problems.append(f"{m['module']}: lora_a {list(a.shape)} and lora_b {list(b.shape)}, expected {want}")
+        elif not lora.covers(int(m["block"]), m["path"]):
+            problems.append(f"{m['module']} is not among the lora blocks {list(lora.blocks)} / targets {lora.targets}")
+    return problems
+
+
+def produce(p: Planned, dtype: torch.dtype, lora: Lora | None) -> torch.Tensor:
+    """One output tensor, read from its file, its adapter merged in, cast to the export's dtype."""
+    t = read_tensor(p.source)
+    if p.adapter is not None:
+        lora_a, lora_b = (read_tensor(e) for e in p.adapter)
+        t = merge_lora(t, lora_a, lora_b, lora.alpha, lora.rank)
+        del lora_a, lora_b
+    return t.to(dtype).contiguous()
+
+
+def shard(planned: list[Planned], dtype: torch.dtype, max_shard_bytes: int) -> list[list[Planned]]:
+    """Consecutive tensors in shards of at most `max_shard_bytes` (a larger tensor gets a shard of its own)."""
+    shards: list[list[Planned]] = [[]]
+    size = 0
+    for p in planned:
+        nbytes = math.prod(p.shape) * dtype.itemsize
+        if shards[-1] and size + nbytes > max_shard_bytes:
+            shards.append([])
+            size = 0
+        shards[-1].append(p)
+        size += nbytes
+    return shards
+
+
+def write_safetensors(path: Path, items: list[Planned], dtype: torch.dtype,
+                      make: Callable[[Planned], torch.Tensor]) -> None:  # fmt: skip
+    """A safetensors file whose header is written from the plan, then each tensor as `make` produces it."""
+    header: dict[str, object] = {"__metadata__": {"format": "pt"}}
+    offset = 0
+    for p in items:
+        nbytes = math.prod(p.shape) * dtype.itemsize
+        header[p.name] = {"dtype": SAFETENSORS_DTYPES[dtype], "shape": list(p.shape), "data_offsets": [offset,
+                          offset + nbytes]}  # fmt: skip
+        offset += nbytes
+    raw = json.dumps(header, separators=(",", ":")).encode()
+    raw += b" " * (-len(raw) % 8)  # the data starts 8-byte aligned, as safetensors itself writes it
+
+    def write(tmp: Path) -> None:
+        with open(tmp, "wb") as f:
+            f.write(len(raw).to_bytes(8, "little") + raw)
+            for p in items:
+                t = make(p)
+                f.write(memoryview(t.reshape(-1).view(torch.uint8).numpy()))
+                del t
+
+    write_atomic(path, write)
+
+
+def write_weights(out: Path, planned: list[Planned], dtype: torch.dtype, lora: Lora | None,
+                  max_shard_bytes: int, log=print) -> list[str]:  # fmt: skip
+    """model.safetensors, or shards and their index, in `out`; returns the file names written."""
+    shards = shard(planned, dtype, max_shard_bytes)
+    if len(shards) == 1:
+        names = ["model.safetensors"]
+    else:
+        names = [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
+    for items, name in zip(shards, names, strict=True):
+        log(f"writing {name} ({len(items)} tensors)")
+        write_safetensors(out / name, items, dtype, lambda p: produce(p, dtype, lora))
+    if len(shards) == 1:
+        return names
+    total = sum(math.prod(p.shape) * dtype.itemsize for p in planned)
+    weight_map = {p.name: name for items, name in zip(shards, names, strict=True) for p in items}
+    write_text_atomic(out / INDEX, json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map},
+                                              indent=2) + "\n")  # fmt: skip
+    return [*names, INDEX]
