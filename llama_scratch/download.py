@@ -27,6 +27,8 @@ import zipfile
 from collections.abc import Callable
 from pathlib import Path
 
+from huggingface_hub import constants, errors, get_token, snapshot_download
+
 from .atomic import write_atomic
 from .checkpoint_files import ALLOW_PATTERNS, check_target, replace_checkpoint, written_by_us
 from .gguf import convert_gguf
@@ -225,8 +227,6 @@ def _source_lines(repo_id: str, revision: str | None) -> str:
 
 def _hub_offline() -> str | None:
     """Like `offline`, also seeing huggingface_hub's own setting (read when it was imported)."""
-    from huggingface_hub import constants
-
     return offline() or ("HF_HUB_OFFLINE" if constants.HF_HUB_OFFLINE else None)
 
 
@@ -249,8 +249,6 @@ def _missing_weights(path: Path) -> str | None:
 
 def _snapshot(repo_id: str, revision: str | None, local_dir: Path | None) -> Path:
     """snapshot_download of ALLOW_PATTERNS, with its errors turned into DownloadErrors that say what to do."""
-    from huggingface_hub import constants, errors, get_token, snapshot_download
-
     switch = _hub_offline()
     try:
         only_cache = switch is not None

@@ -16,6 +16,7 @@ from __future__ import annotations
 import importlib.metadata
 import json
 import re
+from collections import Counter
 from pathlib import Path
 
 import gguf
@@ -244,8 +245,6 @@ def _check_shapes(state: dict[str, torch.Tensor], cfg: LlamaConfig, source: str)
 
 def _source_note(path: Path, meta: dict, reader, dtype: torch.dtype, note: str) -> str:
     """SOURCE.md: where the weights came from, under which licence, and how they were converted."""
-    from collections import Counter
-
     types = Counter(t.tensor_type.name for t in reader.tensors)
     lines = [
         f"# {meta.get('general.name', path.stem)}",

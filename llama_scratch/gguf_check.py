@@ -20,6 +20,8 @@ import struct
 from pathlib import Path
 from typing import BinaryIO
 
+from gguf.constants import GGML_QUANT_SIZES  # (elements per block, bytes per block) for each type code
+
 
 class GGUFError(ValueError):
     """A GGUF file this converter cannot import (architecture, tensor type, tokenizer, damaged file)."""
@@ -158,7 +160,6 @@ def _tensor_info(cursor: _Cursor, i: int) -> tuple[str, list[int], int, int]:
 
 def _check_tensor_data(path: Path, tensors: list, data_start: int, size: int) -> None:
     """Each tensor's bytes (elements / block size * bytes per block, for its type) lie inside the file."""
-    from gguf.constants import GGML_QUANT_SIZES  # (elements per block, bytes per block) for each type code
 
     sizes = {int(code): block for code, block in GGML_QUANT_SIZES.items()}
     for name, dims, type_code, offset in tensors:

@@ -13,8 +13,9 @@ from pathlib import Path
 
 import torch
 
-from .config import PRESETS, LlamaConfig, parse_dtype
+from .config import PRESETS, parse_dtype
 from .plan import FP32, GiB, MemoryPlan, Recipe, plan_memory, with_margin
+from .sources import config_of
 
 SCRATCH_PRESETS = ("tiny",)  # presets with no published checkpoint: only ever trained from random weights
 
@@ -275,24 +276,6 @@ def advice_lines(advice: Advice) -> list[str]:
 # --- the command: finetune_classifier --plan -----------------------------------------------------------------------
 
 
-def config_for(model_ref: str) -> LlamaConfig:
-    """The config of a preset, a local checkpoint (directory or file) or a Hugging Face repo (config.json only)."""
-    path = Path(model_ref)
-    if model_ref in PRESETS and not path.exists():
-        return LlamaConfig.from_name(model_ref)
-    if path.exists():
-        return LlamaConfig.from_hf(path if path.is_dir() else path.parent)
-    from huggingface_hub import hf_hub_download
-
-    try:
-        return LlamaConfig.from_hf(hf_hub_download(model_ref, "config.json"))
-    except Exception as e:  # offline, gated, misspelt: all end the same way for a plan
-        raise FileNotFoundError(
-            f"--model {model_ref}: not a preset or a local checkpoint, and its config.json could not be fetched "
-            f"({type(e).__name__}: {e})"
-        ) from None
-
-
 def plans_from_scratch(model_ref: str) -> bool:
     """Whether `--plan` plans training from random weights. A preset named on --plan (llama3-8b) stands for its
     published checkpoint: a user plans the run they will make with its weights. Only 'tiny' has none."""
@@ -332,7 +315,7 @@ def plan_command(args, train_last: int | None) -> dict:
             "checkpoint, download it and pass its directory as --model"
         )
     recipe = Recipe(
-        cfg=config_for(model_ref),
+        cfg=config_of(model_ref),
         batch_size=args.batch_size,
         seq_len=args.max_length or 512,
         train_last=train_last,

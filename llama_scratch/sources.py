@@ -14,6 +14,7 @@ import re
 from pathlib import Path
 
 import torch
+from huggingface_hub import hf_hub_download
 
 from .config import PRESETS, LlamaConfig, parse_dtype
 from .devices import memory_budget
@@ -158,3 +159,20 @@ def chosen_train_last(arg: str | None, from_scratch: bool) -> int | None:
     if value != "all" and not value.isdigit():
         raise ValueError(f"--train-last takes a number of blocks or 'all', not {value!r}")
     return None if value == "all" else int(value)
+
+
+def config_of(model_ref: str) -> LlamaConfig:
+    """The config of a preset, a local checkpoint (directory or file) or a Hugging Face repo (its config.json only,
+    fetched without the weights): what `--plan` needs, nothing loaded."""
+    path = Path(model_ref)
+    if model_ref in PRESETS and not path.exists():
+        return LlamaConfig.from_name(model_ref)
+    if path.exists():
+        return LlamaConfig.from_hf(path if path.is_dir() else path.parent)
+    try:
+        return LlamaConfig.from_hf(hf_hub_download(model_ref, "config.json"))
+    except Exception as e:  # offline, gated, misspelt: all end the same way for a plan
+        raise FileNotFoundError(
+            f"--model {model_ref}: not a preset or a local checkpoint, and its config.json could not be fetched "
+            f"({type(e).__name__}: {e})"
+        ) from None

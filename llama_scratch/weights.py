@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
+from safetensors.torch import save_file
 from torch import nn
 from tqdm.auto import tqdm
 
@@ -297,8 +298,6 @@ def save_weights(state: dict[str, torch.Tensor], path: str | Path, metadata: dic
     An interrupted save leaves the previous file untouched and no partial file behind. Entries that are the
     same tensor under two names (tied embeddings) are written once, under the first name.
     """
-    from safetensors.torch import save_file
-
     tensors: dict[str, torch.Tensor] = {}
     seen = set()
     for name, t in state.items():

@@ -156,7 +156,7 @@ def fake_hub(monkeypatch):
                 raise KeyboardInterrupt
         return str(local_dir)
 
-    monkeypatch.setattr(huggingface_hub, "snapshot_download", snapshot_download)
+    monkeypatch.setattr(download, "snapshot_download", snapshot_download)
     monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", False)
     for variable in download.OFFLINE_VARIABLES:
         monkeypatch.delenv(variable, raising=False)
@@ -230,7 +230,6 @@ def test_force_replaces_only_a_directory_of_checkpoint_files(fake_hub, tmp_path,
 
 @pytest.mark.parametrize("fetched", [[], ["config.json"]])
 def test_failed_download_keeps_a_partial_directory_only_to_resume_from(fake_hub, tmp_path, monkeypatch, fetched):
-    import huggingface_hub
     from huggingface_hub.errors import HfHubHTTPError
 
     def fails(repo_id, local_dir=None, **kwargs):
@@ -239,7 +238,7 @@ def test_failed_download_keeps_a_partial_directory_only_to_resume_from(fake_hub,
             (Path(local_dir) / name).write_text("{}")
         raise HfHubHTTPError.__new__(HfHubHTTPError, "500 Server Error")
 
-    monkeypatch.setattr(huggingface_hub, "snapshot_download", fails)
+    monkeypatch.setattr(download, "snapshot_download", fails)
     with pytest.raises(DownloadError, match=f"downloading {REPO} failed"):
         download.fetch(REPO, tmp_path / ".cache" / "Llama-3.2-1B")  # a `.cache` in the path is not the Hub's
     partial = tmp_path / ".cache" / ".Llama-3.2-1B.partial"
