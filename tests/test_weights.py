@@ -301,7 +301,7 @@ def test_no_checkpoint_there(tmp_path):
 
 
 def test_save_weights_is_atomic(tmp_path, monkeypatch):
-    import safetensors.torch
+    from llama_scratch import weights
 
     path = tmp_path / "head.safetensors"
     save_weights({"a": torch.arange(4.0), "b": torch.ones(2, 2)}, path, metadata={"step": 3})
@@ -312,7 +312,7 @@ def test_save_weights_is_atomic(tmp_path, monkeypatch):
         Path(filename).write_bytes(b"half a file")
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(safetensors.torch, "save_file", crash)
+    monkeypatch.setattr(weights, "save_file", crash)
     with pytest.raises(KeyboardInterrupt):
         save_weights({"a": torch.zeros(4)}, path)
     assert [p.name for p in tmp_path.iterdir()] == ["head.safetensors"]  # no temporary file left
