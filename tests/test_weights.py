@@ -357,7 +357,6 @@ def test_download_special_sources_dispatch(tmp_path, monkeypatch):
 
 
 def test_download_gated_repo_explains_how_to_get_access(tmp_path, monkeypatch, capsys):
-    import huggingface_hub
     from huggingface_hub.errors import GatedRepoError
 
     from llama_scratch import download
@@ -366,8 +365,8 @@ def test_download_gated_repo_explains_how_to_get_access(tmp_path, monkeypatch, c
         # built without __init__, whose signature (an HTTP response object) changes between huggingface_hub versions
         raise GatedRepoError.__new__(GatedRepoError, "403 Client Error: access to model is restricted")
 
-    monkeypatch.setattr(huggingface_hub, "snapshot_download", gated)
-    monkeypatch.setattr(huggingface_hub, "get_token", lambda: None)
+    monkeypatch.setattr(download, "snapshot_download", gated)
+    monkeypatch.setattr(download, "get_token", lambda: None)
     assert download.main(["meta-llama/Meta-Llama-3-8B", "--dir", str(tmp_path)]) == 1
     err = capsys.readouterr().err
     assert "meta-llama/Meta-Llama-3-8B is a gated repository" in err
