@@ -11,7 +11,6 @@ import functools
 import sys
 import time
 import warnings
-from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -26,8 +25,9 @@ from .data import DataWarning, LabelledTexts, load_dataset
 from .devices import choose_dtype
 from .distributed import Dist
 from .download import DownloadError
-from .evaluation import evaluate, per_class
+from .evaluation import evaluate, per_class, warn_if_one_class
 from .interrupts import sigterm_as_ctrl_c
+from .lora import TARGETS, LoRASettings
 from .model import Llama
 from .plan import count_parameters
 from .plan_report import plan_command, plans_from_scratch
@@ -78,6 +78,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     g = p.add_argument_group("recipe")
     g.add_argument("--train-last", "--trainable", dest="train_last", help="train the head, final norm and the last N "
                    "blocks, or 'all' (default: 2 for a pretrained model, all from scratch)")  # fmt: skip
+    g.add_argument("--lora", type=int, metavar="RANK", help="in those blocks, train LoRA adapters of this rank instead "
+                   "of their weights, which stay frozen with the blocks' norms (default: off)")  # fmt: skip
+    g.add_argument("--lora-alpha", type=float, metavar="A", help="the adapters' change is scaled by A / RANK "
+                   "(default: 2 x RANK, a scale of 2 at any rank)")  # fmt: skip
+    g.add_argument("--lora-dropout", type=float, metavar="P", help="dropout on the adapters' input (default: 0)")
+    g.add_argument("--lora-targets", metavar="NAMES", help="the projections that get adapters, among "
+                   f"{','.join(TARGETS)} (default: all seven)")  # fmt: skip
     g.add_argument("--epochs", type=int, help=f"passes over the training split (default: {d.epochs}, raised for "
                    f"small data to reach --min-steps)")  # fmt: skip
     g.add_argument("--min-steps", type=int, default=d.min_steps, help="without --epochs, raise the epochs until "
@@ -154,17 +161,6 @@ def recipe(args: argparse.Namespace, from_scratch: bool, train_labels: list[int]
     return settings
 
 
-def warn_if_one_class(val_accuracy: float, val_labels: list[int], log) -> None:
-    """A model that learned nothing predicts the commonest class; its accuracy is then that class's share."""
-    majority = max(Counter(val_labels).values()) / max(len(val_labels), 1)
-    if val_accuracy <= majority + 1e-9:
-        log(
-            f"warning: validation accuracy {val_accuracy:.2%} is no better than always answering the commonest "
-            f"class ({majority:.2%}): the model has not learned the task. Try more data, more --epochs, a higher "
-            "--lr, or --class-weights balanced for imbalanced labels."
-        )
-
-
 @dataclass
 class ModelChoice:
     """Which model a run trains, decided before anything is loaded."""
@@ -174,6 +170,7 @@ class ModelChoice:
     dtype: torch.dtype
     from_scratch: bool  # a preset: random weights
     train_last: int | None  # blocks trained (None: all)
+    lora: LoRASettings | None  # LoRA adapters in those blocks instead of their weights
 
 
 @dataclass
@@ -212,7 +209,21 @@ def choose_model(args: argparse.Namespace, env: Dist, device: torch.device, log)
         cfg = LlamaConfig.from_hf(ref)
         dtype = choose_dtype(args.dtype, device, cfg.dtype, count_parameters(cfg).backbone, log)
     from_scratch = trains_from_scratch(ref)
-    return ModelChoice(ref, repo_id, dtype, from_scratch, chosen_train_last(args.train_last, from_scratch))
+    train_last = chosen_train_last(args.train_last, from_scratch)
+    return ModelChoice(ref, repo_id, dtype, from_scratch, train_last, lora_settings(args, from_scratch))
+
+
+def lora_settings(args: argparse.Namespace, from_scratch: bool) -> LoRASettings | None:
+    """The --lora flags as settings (None without --lora). Random weights have nothing worth adapting."""
+    given = [f for f in ("lora_alpha", "lora_dropout", "lora_targets") if getattr(args, f) is not None]
+    if args.lora is None:
+        if given:
+            raise ValueError(f"--{given[0].replace('_', '-')} needs --lora RANK")
+        return None
+    if from_scratch:
+        raise ValueError("--lora adapts pretrained weights; a model trained from random weights trains them all")
+    targets = args.lora_targets or tuple(TARGETS)
+    return LoRASettings(args.lora, args.lora_alpha, args.lora_dropout or 0.0, targets)
 
 
 def load_backbone(
@@ -245,7 +256,8 @@ def run(args: argparse.Namespace) -> dict:
     if args.plan:  # before the process group, the data and the weights: nothing is allocated
         if args.model is None:  # the default model may have to be downloaded: a plan names its model instead
             raise ValueError("--plan needs --model: a preset (e.g. llama3-8b), a checkpoint directory or a repo id")
-        return plan_command(args, chosen_train_last(args.train_last, plans_from_scratch(args.model)))
+        scratch = plans_from_scratch(args.model)
+        return plan_command(args, chosen_train_last(args.train_last, scratch), lora_settings(args, scratch))
     env, device = distributed.setup(args.device)
     log = print if env.is_main else (lambda *a, **k: None)
     if not env.is_main:
@@ -263,7 +275,7 @@ def run(args: argparse.Namespace) -> dict:
     backbone, tokenizer, tokenizer_ref = load_backbone(choice, args, env, device, log)
     splits, max_length = tokenize(parts, tokenizer, backbone.cfg.max_seq_len, args.max_length, log)
     settings = recipe(args, choice.from_scratch, parts["train"].labels, data.num_classes, env, log)
-    clf = LlamaClassifier(backbone, num_classes=data.num_classes, train_last=choice.train_last)
+    clf = LlamaClassifier(backbone, num_classes=data.num_classes, train_last=choice.train_last, lora=choice.lora)
     n_train = sum(p.numel() for p in clf.trainable_parameters().values())
     log(f"training {n_train:,} of {sum(p.numel() for p in clf.parameters()):,} parameters on {device} in "
         f"{choice.dtype}")  # fmt: skip
@@ -286,6 +298,7 @@ def run(args: argparse.Namespace) -> dict:
             "num_classes": data.num_classes,
             "label_names": data.label_names,
             "train_last": choice.train_last,
+            "lora": choice.lora.record(clf.lora_blocks) if choice.lora else None,
             "tokenizer": tokenizer_ref,
             "max_length": max_length,
             "dtype": metrics["dtype"],
@@ -302,7 +315,7 @@ def run(args: argparse.Namespace) -> dict:
 
 def run_identity(job: Job, max_length: int) -> dict:
     """What a resume point must share with the run that resumes it, besides the recipe (TrainSettings)."""
-    args, data, choice = job.args, job.data, job.choice
+    args, data, choice, lora = job.args, job.data, job.choice, job.choice.lora
     return {
         "model": choice.ref,
         "data": args.data,
@@ -316,6 +329,10 @@ def run_identity(job: Job, max_length: int) -> dict:
         "max_length": max_length,
         "dtype": str(choice.dtype),
         "train_last": "all" if choice.train_last is None else choice.train_last,
+        "lora": lora.rank if lora else None,
+        "lora_alpha": lora.alpha if lora else None,
+        "lora_dropout": lora.dropout if lora else None,
+        "lora_targets": ",".join(lora.targets) if lora else None,
     }
 
 
