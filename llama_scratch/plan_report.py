@@ -14,6 +14,7 @@ from pathlib import Path
 import torch
 
 from .config import PRESETS, parse_dtype
+from .lora import LoRASettings
 from .plan import FP32, GiB, MemoryPlan, Recipe, plan_memory, with_margin
 from .sources import config_of
 
@@ -36,18 +37,26 @@ def _gib(n: int) -> str:
     return f"{n / GiB:9.2f} GiB"
 
 
+def trained_text(r: Recipe) -> str:
+    """What trains, in words: blocks, or LoRA adapters in them."""
+    trained = "all blocks and the embedding" if r.train_last is None else f"last {r.train_last} block(s)"
+    return trained if r.lora is None else f"LoRA rank {r.lora.rank} ({','.join(r.lora.targets)}) in the {trained}"
+
+
 def format_plan(plan: MemoryPlan, gpu: tuple[str, int] | None = None) -> str:
     """A readable table: each part, the phases, the peak, and whether it fits `gpu` (name, bytes)."""
     r, c = plan.recipe, plan.counts
     s = r.param_dtype.itemsize
     dtype = str(r.param_dtype).removeprefix("torch.")
-    trained = "all blocks and the embedding" if r.train_last is None else f"last {r.train_last} block(s)"
+    trained = trained_text(r)
     state = f"AdamW moments in {dtype}" if r.optimizer_state == "param" or s == FP32 else "float32 master + moments"
     ckpt = ", gradient checkpointing" if r.gradient_checkpointing else ""
+    adapters = c.total - c.backbone - c.head
+    parts = f"{c.backbone:,} backbone + " + (f"{adapters:,} LoRA adapters + " if adapters else "") + f"{c.head:,} head"
     lines = [
         f"Memory plan per GPU: batch {r.batch_size} x {r.seq_len} tokens, train {trained}{ckpt}, {dtype}, "
         f"world size {r.world_size}",
-        f"  parameters {c.total:,} ({c.backbone:,} backbone + {c.head:,} head); training {c.trainable:,}",
+        f"  parameters {c.total:,} ({parts}); training {c.trainable:,}",
         "",
         f"  {'part':<28}{'size':>13}   what",
     ]
@@ -291,11 +300,12 @@ def planned_dtype(arg: str, on_gpu: bool) -> torch.dtype:
     return torch.float32
 
 
-def plan_command(args, train_last: int | None) -> dict:
+def plan_command(args, train_last: int | None, lora: LoRASettings | None = None) -> dict:
     """`python -m llama_scratch.finetune_classifier ... --plan`: print the plan for these arguments, load nothing.
 
     Reads only the model's config.json (or preset). `train_last` is what the command resolved `--train-last` to
-    (None: everything; for a preset, what its checkpoint would train: see plans_from_scratch). The device and dtype
+    (None: everything; for a preset, what its checkpoint would train: see plans_from_scratch), `lora` its --lora
+    flags (adapters in those blocks instead of their weights). The device and dtype
     follow the command's `auto` choices, except that `--gpu-memory` means "plan for a GPU" on a machine without one
     (bfloat16, fused AdamW). Raises PlanDoesNotFit, after printing, when the plan does not fit the GPU.
     """
@@ -325,6 +335,7 @@ def plan_command(args, train_last: int | None) -> dict:
         world_size=int(os.environ.get("WORLD_SIZE", 1)),
         grad_accum=args.grad_accum,
         device_type="cuda" if on_gpu else "cpu",
+        lora=lora,
     )
     plan = plan_memory(recipe)
     cache = getattr(args, "cache_frozen", "off")  # the frozen-prefix cache (prefix_cache.py)
