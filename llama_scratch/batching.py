@@ -85,6 +85,7 @@ class Split:
     ids: list[list[int]]
     labels: list[int]
     states: list[torch.Tensor] | None = None  # see prefix_cache: then the model runs only its trained blocks
+    pad_id: int = 0  # the token that fills padded positions (masked out or after the text: any valid id works)
 
 
 def pad_states(states: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -98,13 +99,13 @@ def pad_states(states: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
     return batch, mask
 
 
-def to_batch(split: Split, rows: list[int], pad_id: int, side: str, device: torch.device) -> dict[str, torch.Tensor]:
+def to_batch(split: Split, rows: list[int], side: str, device: torch.device) -> dict[str, torch.Tensor]:
     """A padded batch: `input_ids` or (with a cache) `frozen_states`, `attention_mask` and `labels`."""
     if split.states is not None:
         states, mask = pad_states([split.states[i] for i in rows])
         labels = torch.tensor([split.labels[i] for i in rows], device=device)
         return {"frozen_states": states.to(device), "attention_mask": mask.to(device), "labels": labels}
-    batch = collate([(split.ids[i], split.labels[i]) for i in rows], pad_id, side)
+    batch = collate([(split.ids[i], split.labels[i]) for i in rows], split.pad_id, side)
     return {k: v.to(device, non_blocking=True) for k, v in batch.items()}
 
 

@@ -23,22 +23,21 @@ class EvalSettings(Protocol):
 
 
 @torch.inference_mode()
-def evaluate(
-    model: nn.Module, split: Split, num_classes: int, pad_id: int, s: EvalSettings, env: Dist, device, desc: str
-) -> dict:
+def evaluate(model: nn.Module, split: Split, s: EvalSettings, env: Dist, device, desc: str) -> dict:
     """Loss, accuracy and confusion matrix over a whole split, shared out across processes.
 
     Each process takes every N-th row (no padding rows, unlike `DistributedSampler`), so summing the counts
     over processes counts every row exactly once. Rows are sorted by length so batches carry little padding.
     """
     model = distributed.unwrap(model)
+    num_classes = model.head.out_features  # the classifier's head says how many classes there are
     was_training = model.training
     model.eval()
     batches = length_sorted_batches([len(x) for x in split.ids], s.eval_rows, env.rank, env.world_size)
     loss_sum = torch.zeros((), dtype=torch.float64, device=device)
     confusion = torch.zeros(num_classes, num_classes, dtype=torch.float64, device=device)  # [true, predicted]
     for rows in tqdm(batches, desc, leave=False, disable=not env.is_main):
-        batch = to_batch(split, rows, pad_id, s.padding_side, device)
+        batch = to_batch(split, rows, s.padding_side, device)
         logits = forward(model, batch).float()
         loss_sum += F.cross_entropy(logits, batch["labels"], reduction="sum").double()
         flat = batch["labels"] * num_classes + logits.argmax(-1)

@@ -167,7 +167,9 @@ def tokenize(parts: dict[str, LabelledTexts], tokenizer: Tokenizer, context: int
     max_length = max_length or default_max_length(ids["train"], context)
     truncated = sum(len(x) > max_length for rows in ids.values() for x in rows)
     log(f"max length {max_length} tokens; {truncated:,} texts truncated")
-    return {k: Split([x[:max_length] for x in ids[k]], parts[k].labels) for k in parts}, max_length
+    return {
+        k: Split([x[:max_length] for x in ids[k]], parts[k].labels, pad_id=tokenizer.pad_id) for k in parts
+    }, max_length
 
 
 def run(args: argparse.Namespace) -> dict:
@@ -199,13 +201,13 @@ def run(args: argparse.Namespace) -> dict:
     log(f"training {n_train:,} of {sum(p.numel() for p in clf.parameters()):,} parameters on {device} in "
         f"{choice.dtype}")  # fmt: skip
     if use_cache(args.cache_frozen, clf, {k: v.ids for k, v in splits.items()}, device, env, log):
-        splits = cache_splits(clf, splits, tokenizer.pad_id, settings.eval_rows, env)
+        splits = cache_splits(clf, splits, settings.eval_rows, env)
     model = distributed.wrap(clf, env, device)
     start_output(out, args.resume, args.output is None, env)
     save = functools.partial(save_classifier, clf, choice.from_scratch)
-    state = train(model, splits, data.num_classes, tokenizer.pad_id, settings, env, device, out, args.resume,
+    state = train(model, splits, settings, env, device, out, args.resume,
                   lambda epoch: save(out / BEST_FILE), log, run_identity=run_identity(job, max_length))  # fmt: skip
-    metrics = final_metrics(job, model, clf, splits, tokenizer.pad_id, settings, state)
+    metrics = final_metrics(job, model, clf, splits, settings, state)
     if env.is_main:
         meta = classifier_meta(job, clf, tokenizer_ref, max_length, settings)
         write_results(out, save, metrics, meta, state.history)
@@ -265,8 +267,8 @@ def save_classifier(clf: LlamaClassifier, from_scratch: bool, path: Path, metada
     save_weights({k: v.detach() for k, v in state.items()}, path, metadata)
 
 
-def final_metrics(job: Job, model, clf: LlamaClassifier, splits: dict[str, Split], pad_id: int,
-                  settings: TrainSettings, state) -> dict:  # fmt: skip
+def final_metrics(job: Job, model, clf: LlamaClassifier, splits: dict[str, Split], settings: TrainSettings,
+                  state) -> dict:  # fmt: skip
     """Every split evaluated with the best weights (by validation accuracy), and the run's figures."""
     best = job.out / BEST_FILE
     if job.env.is_main:
@@ -278,8 +280,7 @@ def final_metrics(job: Job, model, clf: LlamaClassifier, splits: dict[str, Split
     distributed.broadcast_parameters([p for _, p in saved])
     data, choice = job.data, job.choice
     results = {
-        k: evaluate(model, splits[k], data.num_classes, pad_id, settings, job.env, job.device, f"final {k}")
-        for k in ("train", "val", "test")
+        k: evaluate(model, splits[k], settings, job.env, job.device, f"final {k}") for k in ("train", "val", "test")
     }
     return {
         "model": choice.ref,

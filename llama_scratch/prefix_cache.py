@@ -89,9 +89,9 @@ def use_cache(
     return True
 
 
-def cache_splits(clf: LlamaClassifier, splits: dict[str, Split], pad_id: int, rows: int, env: Dist) -> dict[str, Split]:
+def cache_splits(clf: LlamaClassifier, splits: dict[str, Split], rows: int, env: Dist) -> dict[str, Split]:
     """The same splits, each text carrying its frozen-prefix output (the training loop then runs only the rest)."""
     return {
-        k: Split(v.ids, v.labels, compute_frozen_states(clf, v.ids, pad_id, rows, env=env, name=k))
+        k: Split(v.ids, v.labels, compute_frozen_states(clf, v.ids, v.pad_id, rows, env=env, name=k), v.pad_id)
         for k, v in splits.items()
     }

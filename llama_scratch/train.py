@@ -197,7 +197,7 @@ RESUME_FILE = "resume.safetensors"
 
 
 def train_step(
-    model: nn.Module, split: Split, step_rows: list[list[int]], pad_id: int, s: TrainSettings, env: Dist, device
+    model: nn.Module, split: Split, step_rows: list[list[int]], s: TrainSettings, env: Dist, device
 ) -> tuple[torch.Tensor, int]:
     """Forward and backward over one optimizer step's micro-batches, gradients accumulating.
 
@@ -208,7 +208,7 @@ def train_step(
     weight = None if s.class_weights is None else torch.tensor(s.class_weights, device=device)
     tokens = 0
     for j, rows in enumerate(step_rows):
-        batch = to_batch(split, rows, pad_id, s.padding_side, device)
+        batch = to_batch(split, rows, s.padding_side, device)
         # Under DDP, gradients are averaged across processes only on the last micro-batch of a step.
         sync = contextlib.nullcontext() if j == len(step_rows) - 1 or not env.enabled else model.no_sync()
         with sync:
@@ -277,7 +277,6 @@ class Loop:
     s: TrainSettings
     env: Dist
     device: torch.device
-    pad_id: int
     total: int  # optimizer steps the schedule runs for
     resume_path: Path
     identity: dict
@@ -301,7 +300,7 @@ def train_epoch(loop: Loop, split: Split, state: TrainState) -> bool:
     )
     started = time.perf_counter()
     for k in range(state.batches_done, len(batches), s.grad_accum):
-        sums, tokens = train_step(loop.model, split, batches[k : k + s.grad_accum], loop.pad_id, s, env, loop.device)
+        sums, tokens = train_step(loop.model, split, batches[k : k + s.grad_accum], s, env, loop.device)
         params = [p for p in loop.model.parameters() if p.requires_grad]
         norm = nn.utils.clip_grad_norm_(params, s.clip_grad if s.clip_grad > 0 else float("inf"))
         totals = distributed.all_sum(torch.cat([sums, norm.detach().to(sums).view(1)])).tolist()  # one sync a step
@@ -331,8 +330,6 @@ def train_epoch(loop: Loop, split: Split, state: TrainState) -> bool:
 def train(
     model: nn.Module,
     splits: dict[str, Split],
-    num_classes: int,
-    pad_id: int,
     s: TrainSettings,
     env: Dist,
     device: torch.device,
@@ -351,7 +348,7 @@ def train(
     optimizer = make_optimizer(model, s)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: lr_factor(step, total, s))
     identity = {"world_size": env.world_size, **(run_identity or {})}
-    loop = Loop(model, optimizer, scheduler, s, env, device, pad_id, total, out_dir / RESUME_FILE, identity)
+    loop = Loop(model, optimizer, scheduler, s, env, device, total, out_dir / RESUME_FILE, identity)
     state = TrainState()
     if resume and loop.resume_path.exists():
         state = load_resume_point(loop.resume_path, model, optimizer, scheduler, s, identity)
@@ -362,7 +359,7 @@ def train(
     try:
         while state.epoch < s.epochs and state.step < total:
             complete = train_epoch(loop, splits["train"], state)
-            val = evaluate(model, splits["val"], num_classes, pad_id, s, env, device, "evaluating val")
+            val = evaluate(model, splits["val"], s, env, device, "evaluating val")
             with interrupts_deferred():  # the epoch's record, best weights and resume point: all or nothing
                 finish_epoch(state, val, complete, on_best, env, log)
                 loop.save_point(state)

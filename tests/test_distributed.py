@@ -42,7 +42,7 @@ GRADIENTS_SCRIPT = textwrap.dedent(
         assert all(p.grad is not None and p.grad._base is not None for p in trained), state
         settings = TrainSettings(epochs=1, batch_size=4, grad_accum=2, save_every=1000, optimizer_state=state)
         with tempfile.TemporaryDirectory() as out:
-            train(model, {"train": split, "val": split}, 2, 0, settings, env, device, Path(out), log=lambda *a: None)
+            train(model, {"train": split, "val": split}, settings, env, device, Path(out), log=lambda *a: None)
         trained = [p for p in clf.parameters() if p.requires_grad]
         # After the last step the gradients are still there (zeroed, not freed), each a view of DDP's buckets.
         assert all(p.grad is not None and p.grad._base is not None for p in trained), state

@@ -53,7 +53,7 @@ def test_an_interrupt_mid_step_then_resume_equals_one_run(tmp_path, monkeypatch)
         out.mkdir(exist_ok=True)
         torch.manual_seed(0)
         clf = LlamaClassifier(Llama(LlamaConfig.from_name("tiny")), num_classes=2, train_last=1)
-        state = train.train(clf, splits, 2, 0, settings, Dist(), torch.device("cpu"), out, resume, log=lambda *a: None)
+        state = train.train(clf, splits, settings, Dist(), torch.device("cpu"), out, resume, log=lambda *a: None)
         return state, {k: v.clone() for k, v in train.trainable_state(clf).items()}
 
     whole, whole_weights = run(tmp_path / "whole")

@@ -138,7 +138,7 @@ def test_an_interrupt_while_the_best_weights_are_written_loses_nothing(tmp_path)
         out.mkdir(exist_ok=True)
         torch.manual_seed(0)
         clf = LlamaClassifier(Llama(LlamaConfig.from_name("tiny")), num_classes=2, train_last=1)
-        return train.train(clf, splits, 2, 0, settings, Dist(), torch.device("cpu"), out, resume, on_best, lambda *a: 0)
+        return train.train(clf, splits, settings, Dist(), torch.device("cpu"), out, resume, on_best, lambda *a: 0)
 
     whole = run(tmp_path / "whole", lambda epoch: None)
 
@@ -237,7 +237,7 @@ DIVERGE_SCRIPT = textwrap.dedent(
     settings = TrainSettings(epochs=1, batch_size=4, save_every=1000)
     try:
         with tempfile.TemporaryDirectory() as out:
-            train(model, {"train": split, "val": split}, 2, 0, settings, env, device, Path(out), log=lambda *a: None)
+            train(model, {"train": split, "val": split}, settings, env, device, Path(out), log=lambda *a: None)
     except TrainingDiverged as e:
         assert "step 3" in str(e), e
         os.write(1, f"rank {env.rank} ok\\n".encode())
