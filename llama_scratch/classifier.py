@@ -9,6 +9,14 @@ from .lora import LoRASettings, add_lora, lora_layers
 from .model import Llama
 
 
+def trained_blocks(n_layers: int, train_last: int | None) -> range:
+    """Indices of the blocks that `train_last` trains: the last `train_last` of `n_layers` (None: all). The one
+    place this is decided; the classifier, the frozen-prefix cache and the memory plan all ask here."""
+    if train_last is not None and not 0 <= train_last <= n_layers:
+        raise ValueError(f"train_last must be between 0 and {n_layers} (the number of blocks), got {train_last}")
+    return range(0 if train_last is None else n_layers - train_last, n_layers)
+
+
 def last_real_positions(attention_mask: torch.Tensor | None, batch: int, seq_len: int, device) -> torch.Tensor:
     """[B] index of each row's last real token, whichever side the padding is on.
 
@@ -54,11 +62,13 @@ class LlamaClassifier(nn.Module):
         self.set_trainable(train_last)
 
     def trained_blocks(self, train_last: int | None) -> range:
-        """Indices of the blocks that `train_last` trains (None: all)."""
-        n_layers = len(self.backbone.blocks)
-        if train_last is not None and not 0 <= train_last <= n_layers:
-            raise ValueError(f"train_last must be between 0 and {n_layers} (the number of blocks), got {train_last}")
-        return range(0 if train_last is None else n_layers - train_last, n_layers)
+        return trained_blocks(len(self.backbone.blocks), train_last)
+
+    @property
+    def frozen_blocks(self) -> int:
+        """How many bottom blocks never change (0 when everything, the embedding included, trains): what the
+        frozen-prefix cache may run once."""
+        return self.trained_blocks(self.train_last).start
 
     def set_trainable(self, train_last: int | None) -> None:
         """Freeze everything, then unfreeze the head, the final norm and the last `train_last` blocks (None: all),
@@ -96,9 +106,9 @@ class LlamaClassifier(nn.Module):
         `frozen_states` [B, T, dim] replaces `input_ids` with the output of the frozen blocks, computed once
         beforehand (see `prefix_cache`), so that only the trained blocks run.
         """
-        backbone, n = self.backbone, len(self.backbone.blocks)
+        backbone = self.backbone
         x = backbone.embed_tokens(input_ids) if frozen_states is None else frozen_states
-        start = 0 if frozen_states is None else n - self.train_last  # frozen states: the trained blocks only
+        start = 0 if frozen_states is None else self.frozen_blocks  # frozen states: the trained blocks only
         last = last_real_positions(attention_mask, x.shape[0], x.shape[1], x.device)
         # The head reads one vector per row, so the last block runs only at each row's last real token: its query,
         # attention output, feed-forward and all after run once per row instead of once per token (its keys and

@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .classifier import LlamaClassifier
+from .classifier import LlamaClassifier, trained_blocks
 from .config import LlamaConfig, parse_dtype
 from .lora import LoRASettings
 from .model import Llama
@@ -75,7 +75,7 @@ class Recipe:
 
     @property
     def trained_blocks(self) -> int:
-        return self.cfg.n_layers if self.train_last is None else self.train_last
+        return len(trained_blocks(self.cfg.n_layers, self.train_last))
 
 
 @dataclass(frozen=True)

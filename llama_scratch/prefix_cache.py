@@ -17,13 +17,6 @@ from .devices import free_memory, memory_budget
 from .distributed import Dist
 
 
-def frozen_blocks(clf: LlamaClassifier) -> int:
-    """How many bottom blocks are frozen (0 when everything, the embedding included, trains)."""
-    if clf.train_last is None:
-        return 0
-    return len(clf.backbone.blocks) - clf.train_last
-
-
 def cache_bytes(token_lists: list[list[int]], clf: LlamaClassifier) -> int:
     """Memory the cached states take: one vector of the model's width per real token."""
     width = clf.backbone.cfg.dim
@@ -47,7 +40,7 @@ def compute_frozen_states(
     each process computes every N-th text and the processes then exchange them: all end up with every text.
     """
     env = env or Dist()  # one process
-    backbone, start = clf.backbone, frozen_blocks(clf)
+    backbone, start = clf.backbone, clf.frozen_blocks
     device, dtype = clf.head.weight.device, backbone.embed_tokens.weight.dtype
     states: list[torch.Tensor] = [torch.empty(0)] * len(token_lists)
     batches = length_sorted_batches([len(x) for x in token_lists], batch_size, env.rank, env.world_size)
@@ -71,7 +64,7 @@ def use_cache(
 
     Under DDP every process must decide alike (computing the cache is collective), so the tightest one decides.
     Processes on a CPU share the host's memory and each keeps a whole copy."""
-    frozen = frozen_blocks(clf)
+    frozen = clf.frozen_blocks
     if choice == "off" or frozen == 0:
         return False
     size = sum(cache_bytes(rows, clf) for rows in ids.values())
