@@ -31,6 +31,7 @@ from .checkpoint_files import (
     read_tensor,
 )
 from .config import LlamaConfig
+from .lora import merged_weight
 from .model import Llama
 
 HEAD = "score.weight"  # transformers' name for the classification head of LlamaForSequenceClassification
@@ -38,14 +39,6 @@ INDEX = "model.safetensors.index.json"
 SAFETENSORS_DTYPES = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16"}
 # An adapter of one projection, as a LoRA run saves it: backbone.blocks.{i}.{path}.lora_a / .lora_b
 _ADAPTER = re.compile(r"backbone\.(?P<module>blocks\.(?P<block>\d+)\.(?P<path>.+))\.lora_(?P<part>[ab])")
-
-
-def merge_lora(weight: torch.Tensor, lora_a: torch.Tensor, lora_b: torch.Tensor, alpha: float,
-               rank: int) -> torch.Tensor:  # fmt: skip
-    """W + (alpha / rank) * (lora_b @ lora_a), in float32: in bfloat16 the small update would round away.
-
-    weight [out, in], lora_a [rank, in], lora_b [out, rank]; the result is float32, for the caller to cast."""
-    return weight.float() + (alpha / rank) * (lora_b.float() @ lora_a.float())
 
 
 @dataclass(frozen=True)
@@ -177,7 +170,7 @@ def produce(p: Planned, dtype: torch.dtype, lora: Lora | None) -> torch.Tensor:
     t = read_tensor(p.source)
     if p.adapter is not None:
         lora_a, lora_b = (read_tensor(e) for e in p.adapter)
-        t = merge_lora(t, lora_a, lora_b, lora.alpha, lora.rank)
+        t = merged_weight(t, lora_a, lora_b, lora.alpha / lora.rank)
         del lora_a, lora_b
     return t.to(dtype).contiguous()
 

@@ -110,8 +110,7 @@ class LoRALinear(nn.Linear):
         B A is formed in float32 and rounded once into the weight's dtype. B is then zeroed, so this layer, if
         still called, computes what the merged one does and a second merge adds nothing.
         """
-        delta = self.scale * (self.lora_b.float() @ self.lora_a.float())
-        self.weight.copy_(self.weight.float() + delta)
+        self.weight.copy_(merged_weight(self.weight, self.lora_a, self.lora_b, self.scale))
         self.lora_b.zero_()
         plain = nn.Linear(self.in_features, self.out_features, bias=self.bias is not None, device="meta")
         plain.weight, plain.bias = self.weight, self.bias
@@ -159,6 +158,13 @@ def add_lora(
 
 def lora_layers(model: nn.Module) -> list[LoRALinear]:
     return [m for m in model.modules() if isinstance(m, LoRALinear)]
+
+
+def merged_weight(weight: torch.Tensor, lora_a: torch.Tensor, lora_b: torch.Tensor, scale: float) -> torch.Tensor:
+    """W + scale * B A, in float32 (in bfloat16 the small update would round away); the caller rounds it once.
+
+    weight [out, in], lora_a [rank, in], lora_b [out, rank]. `export_hf` merges checkpoint tensors with it too."""
+    return weight.float() + scale * (lora_b.float() @ lora_a.float())
 
 
 def merge_lora(model: nn.Module) -> nn.Module:

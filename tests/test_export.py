@@ -14,6 +14,7 @@ from safetensors.torch import load_file, save_file
 
 from llama_scratch import Llama, LlamaConfig, classify, export_hf, export_weights, finetune_classifier
 from llama_scratch.batching import collate
+from llama_scratch.lora import merged_weight
 from llama_scratch.weights import save_checkpoint
 
 from .test_finetune import args_for
@@ -185,7 +186,7 @@ def add_adapters(run, out) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
 
 def test_merge_lora_is_w_plus_alpha_over_rank_b_a():
     w, a, b = torch.randn(6, 5, dtype=torch.float64), torch.randn(2, 5), torch.randn(6, 2)
-    merged = export_weights.merge_lora(w.to(torch.bfloat16), a.to(torch.bfloat16), b.to(torch.bfloat16), 16.0, 2)
+    merged = merged_weight(w.to(torch.bfloat16), a.to(torch.bfloat16), b.to(torch.bfloat16), 16.0 / 2)
     assert merged.dtype == torch.float32
     expected = w.to(torch.bfloat16).double() + 8.0 * (b.to(torch.bfloat16).double() @ a.to(torch.bfloat16).double())
     assert torch.allclose(merged.double(), expected, atol=1e-5)
