@@ -209,3 +209,33 @@ def test_each_process_takes_a_gpu_it_can_see():
             assert "--device" in str(e)
         else:
             raise AssertionError(f"--device {wrong} under torchrun was accepted")
+
+
+def test_patience_stops_early_and_class_weights_weigh_the_rare_class(tmp_path):
+    from llama_scratch import LlamaClassifier, train
+    from llama_scratch.batching import Split
+    from llama_scratch.distributed import Dist
+
+    assert train.balanced_weights([0, 0, 0, 1], 2) == [4 / 6, 2.0]
+    ids = [[1 + (i * 7 + j) % 100 for j in range(4 + i % 5)] for i in range(24)]
+    labels = [int(i % 4 == 0) for i in range(24)]  # one row in four is the rare class
+    splits = {"train": Split(ids, labels), "val": Split(ids[:8], labels[:8])}
+
+    def run(**settings):
+        torch.manual_seed(0)
+        clf = LlamaClassifier(Llama(LlamaConfig.from_name("tiny")), num_classes=2, train_last=1)
+        s = train.TrainSettings(batch_size=4, save_every=100, **settings)
+        out = tmp_path / str(len(list(tmp_path.iterdir())))
+        out.mkdir()
+        state = train.train(clf, splits, s, Dist(), torch.device("cpu"), out, log=lambda *a: None)
+        return state, clf.head.weight.detach().clone()
+
+    # Learning rate 0: validation never gets better after epoch 1, so patience 1 stops after epoch 2 of 5.
+    stopped, _ = run(epochs=5, lr=0.0, patience=1)
+    assert [row["epoch"] for row in stopped.history] == [1, 2]
+    _, plain = run(epochs=1, lr=1e-3)
+    _, weighted = run(epochs=1, lr=1e-3, class_weights=train.balanced_weights(labels, 2))
+    assert not torch.equal(plain, weighted)  # the weights reached the loss
+    args = finetune_classifier.parse_args(["--class-weights", "balanced"])
+    settings = finetune_classifier.recipe(args, False, labels, 2, Dist(), lambda *a: None)
+    assert settings.class_weights == train.balanced_weights(labels, 2)
