@@ -1,7 +1,8 @@
 """Training-step speed of our `LlamaClassifier` against transformers' `LlamaForSequenceClassification`.
 
 Run: python benchmarks/train_speed.py [--preset small|tiny|PRESET] [--batch-size 8] [--seq-len real|N]
-                                      [--train-last 1 all] [--rounds 5] [--steps 3] [--threads N] [--profile]
+                                      [--train-last 1 all] [--lora RANK] [--rounds 5] [--steps 3] [--threads N]
+                                      [--profile]
 
 Both models are read from one checkpoint written with `save_checkpoint` (ours through `load_weights`, theirs through
 `from_pretrained` with `attn_implementation="sdpa"` and `use_cache=False`, its fastest training setup), and our
@@ -17,6 +18,13 @@ theirs / ours (above 1: ours is faster).
 with a 32,768-row vocabulary: the texts' Llama-3 token ids are renumbered compactly (one-to-one over the ids the
 batches use, pad included), so the texts and lengths are unchanged. Presets with the full vocabulary (`tiny`)
 use the tokenizer's ids as they are.
+
+`--lora R` times LoRA instead (settings `loraR-lastK`): ours is `LlamaClassifier(..., train_last=K,
+lora=LoRASettings(R, alpha=2R))`, theirs the same transformers model wrapped by `peft.get_peft_model` with a
+`LoraConfig` of the same rank, alpha, seven projections and blocks (`layers_to_transform`), the head as
+`modules_to_save` and the final norm unfrozen by hand: on both sides the adapters, head and final norm train. Our
+B (zero at creation) is first set to small random values, then A and B are copied into theirs, so the first-step
+check covers the adapters' part of the output and their gradients.
 """
 
 from __future__ import annotations
@@ -42,6 +50,7 @@ from llama_scratch import Llama, LlamaClassifier, LlamaConfig, Tokenizer
 from llama_scratch.batching import collate
 from llama_scratch.checkpoint_files import ours_to_hf
 from llama_scratch.data import load_sms_spam
+from llama_scratch.lora import TARGETS, LoRASettings, lora_layers
 from llama_scratch.train import TrainSettings, make_optimizer
 from llama_scratch.weights import load_weights, save_checkpoint
 
@@ -108,12 +117,19 @@ def to_tensors(rows: list[list[int]], pad_id: int, pad_to: int | None) -> dict[s
 # ---------------------------------------------------------------------------------------------- models
 
 
-def build_pair(ckpt: Path, cfg: LlamaConfig, head: torch.Tensor, pad_id: int, train_last: int | None):
-    """Our classifier and transformers' from the same checkpoint and head, with the same parameters trainable."""
+def build_pair(
+    ckpt: Path, cfg: LlamaConfig, head: torch.Tensor, pad_id: int, train_last: int | None, lora: LoRASettings | None
+):
+    """Our classifier and transformers' from the same checkpoint and head, with the same parameters trainable.
+
+    With `lora`, ours carries adapters in its trained blocks and theirs is wrapped by `peft.get_peft_model` with the
+    same rank, alpha, targets and blocks (head as `modules_to_save`, final norm unfrozen by hand); our B is set to
+    small random values first (it starts at zero) and both A and B are copied into theirs.
+    """
     with torch.device("meta"):
         backbone = Llama(cfg)
     load_weights(backbone, ckpt, device="cpu", progress=False)
-    ours = LlamaClassifier(backbone, num_classes=2, train_last=train_last)
+    ours = LlamaClassifier(backbone, num_classes=2, train_last=train_last, lora=lora)
     with torch.no_grad():
         ours.head.weight.copy_(head)
 
@@ -122,14 +138,19 @@ def build_pair(ckpt: Path, cfg: LlamaConfig, head: torch.Tensor, pad_id: int, tr
     )
     with torch.no_grad():
         theirs.score.weight.copy_(head)
-    theirs.requires_grad_(train_last is None)
-    if train_last is not None:
-        for module in [theirs.score, theirs.model.norm, *theirs.model.layers[len(theirs.model.layers) - train_last :]]:
-            module.requires_grad_(True)
+    if lora is not None:
+        theirs = peft_pair(ours, theirs, lora)
+    else:
+        theirs.requires_grad_(train_last is None)
+        if train_last is not None:
+            for module in [theirs.score, theirs.model.norm, *theirs.model.layers[cfg.n_layers - train_last :]]:
+                module.requires_grad_(True)
 
     # Same weights, same trainable set: every parameter of theirs is ours under the name map (score = head).
     ours_params = {hf_name(n): p for n, p in ours.named_parameters()}
     for name, p in theirs.named_parameters():
+        if (name := peft_name(name)) is None:
+            continue
         mine = ours_params[name]
         assert torch.equal(p, mine), f"weights differ: {name}"
         assert p.requires_grad == mine.requires_grad, f"trainable set differs: {name}"
@@ -139,9 +160,51 @@ def build_pair(ckpt: Path, cfg: LlamaConfig, head: torch.Tensor, pad_id: int, tr
     return ours.train(), theirs.train(), ours_params, n_ours
 
 
+def peft_pair(ours: LlamaClassifier, theirs: nn.Module, lora: LoRASettings) -> nn.Module:
+    """`theirs` wrapped by PEFT with ours' adapters: same rank, alpha, projections and blocks, A and B copied."""
+    import peft
+
+    with torch.no_grad():
+        for layer in lora_layers(ours):
+            layer.lora_b.normal_(std=0.02)  # B = 0 would make the check blind to how B A enters the output
+    config = peft.LoraConfig(
+        r=lora.rank,
+        lora_alpha=lora.alpha,
+        lora_dropout=lora.dropout,
+        target_modules=[TARGETS[t].split(".")[1] for t in lora.targets],
+        layers_to_transform=list(ours.lora_blocks),
+        modules_to_save=["score"],
+        bias="none",
+        task_type="SEQ_CLS",
+    )
+    theirs = peft.get_peft_model(theirs, config)
+    theirs.base_model.model.model.norm.weight.requires_grad_(True)
+    ours_params = {hf_name(n): p for n, p in ours.named_parameters()}
+    with torch.no_grad():
+        for name, p in theirs.named_parameters():
+            if (name := peft_name(name)) is not None and ".lora_" in name:
+                p.copy_(ours_params[name])
+    return theirs
+
+
+def peft_name(name: str) -> str | None:
+    """transformers' name (as `hf_name` gives) of a parameter of a PEFT-wrapped model; None for PEFT's frozen copy
+    of the head. Names of an unwrapped model are returned as they are."""
+    if ".original_module." in name:
+        return None
+    name = name.removeprefix("base_model.model.").replace(".base_layer.", ".").replace(".modules_to_save.default.", ".")
+    return name.replace(".lora_A.default.weight", ".lora_a").replace(".lora_B.default.weight", ".lora_b")
+
+
 def hf_name(ours: str) -> str:
-    """transformers' name for one of our classifier's parameters (their `score` is our `head`)."""
-    return "score.weight" if ours == "head.weight" else ours_to_hf(ours.removeprefix("backbone."))
+    """transformers' name for one of our classifier's parameters (their `score` is our `head`); an adapter keeps
+    its `lora_a`/`lora_b` suffix after its projection's name."""
+    if ours == "head.weight":
+        return "score.weight"
+    base, dot, adapter = ours.removeprefix("backbone.").rpartition(".")
+    if adapter in ("lora_a", "lora_b"):
+        return ours_to_hf(base + ".weight").removesuffix(".weight") + dot + adapter
+    return ours_to_hf(ours.removeprefix("backbone."))
 
 
 class Trainer:
@@ -187,7 +250,7 @@ def timed(trainer: Trainer, batches: list[dict[str, torch.Tensor]], steps: int) 
     start = time.perf_counter()
     for k in range(steps):
         trainer.step(batches[k % len(batches)])
-    return (time.perf_counter() - start) / steps
+    return (time.perf_counter() - start) / max(steps, 1)  # --warmup 0: nothing timed
 
 
 def check_first_step(ours: Trainer, theirs: Trainer, ours_params: dict, batch: dict) -> tuple[float, float]:
@@ -197,7 +260,7 @@ def check_first_step(ours: Trainer, theirs: Trainer, ours_params: dict, batch: d
     worst = 0.0
     for name, p in theirs.model.named_parameters():
         if p.requires_grad:
-            g_ours, g_theirs = ours_params[name].grad, p.grad
+            g_ours, g_theirs = ours_params[peft_name(name)].grad, p.grad
             scale = g_theirs.abs().max().item() or 1.0
             worst = max(worst, (g_ours - g_theirs).abs().max().item() / scale)
     assert worst < 1e-3, f"first-step gradients differ (max relative difference {worst:.2e})"
@@ -231,6 +294,14 @@ def main() -> None:
     )
     parser.add_argument("--batches", type=int, default=4, help="distinct batches, cycled through by both models")
     parser.add_argument("--train-last", nargs="+", default=["1", "all"], help="settings to time: K blocks, or all")
+    parser.add_argument(
+        "--lora",
+        type=int,
+        default=None,
+        metavar="RANK",
+        help="LoRA at this rank (alpha 2 x rank, all seven projections) in the trained blocks, against transformers "
+        "+ PEFT with the same adapters",
+    )
     parser.add_argument("--rounds", type=int, default=5, help="timed rounds per setting (ours and theirs each)")
     parser.add_argument("--steps", type=int, default=3, help="optimizer steps per model per round")
     parser.add_argument("--warmup", type=int, default=2, help="untimed steps per model before the rounds")
@@ -244,6 +315,7 @@ def main() -> None:
     transformers.logging.set_verbosity_error()  # "score.weight newly initialized": we copy our head into it
     transformers.logging.disable_progress_bar()
     warnings.filterwarnings("ignore", category=UserWarning, module="transformers")
+    warnings.filterwarnings("ignore", category=FutureWarning, module="transformers")  # PEFT calls a deprecated name
     cfg = bench_config(args.preset)
     seq_len = None if args.seq_len == "real" else int(args.seq_len)
     tok = Tokenizer.default()
@@ -282,11 +354,12 @@ def main() -> None:
         del model
         for setting in args.train_last:
             train_last = None if setting == "all" else int(setting)
-            ours_model, theirs_model, ours_params, n_train = build_pair(ckpt, cfg, head, pad_id, train_last)
+            lora = None if args.lora is None else LoRASettings(args.lora, alpha=2 * args.lora, dropout=0.0)
+            ours_model, theirs_model, ours_params, n_train = build_pair(ckpt, cfg, head, pad_id, train_last, lora)
             ours = Trainer(ours_model, forward_ours, settings)
             theirs = Trainer(theirs_model, forward_theirs, settings)
             loss, grad_diff = check_first_step(ours, theirs, ours_params, batches[0])
-            label = f"train_last={setting}"
+            label = f"train_last={setting}" if lora is None else f"lora{lora.rank}-last{setting}"
             print(
                 f"\n{label}: {n_train / 1e6:.2f}M trainable; first step loss {loss:.6f} on both "
                 f"(gradients agree to {grad_diff:.1e} relative)"
