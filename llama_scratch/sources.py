@@ -18,7 +18,7 @@ from huggingface_hub import hf_hub_download
 
 from .config import PRESETS, LlamaConfig, parse_dtype
 from .devices import memory_budget
-from .download import DownloadError, default_dir, fetch, fetch_smollm2
+from .download import DownloadError, default_dir, fetch, fetch_smollm2, looks_like_path
 from .gguf import convert_gguf
 from .model import Llama
 from .plan import count_parameters
@@ -26,13 +26,6 @@ from .tokenizer import Tokenizer
 from .weights import load_weights
 
 WEIGHTS_DIR = Path("weights")
-
-
-def looks_like_path(ref: str) -> bool:
-    """A reference the user meant as a local path: explicitly relative or absolute (`./x`, `../x`, `/x`, `~/x`),
-    more than one slash, a backslash, or a first component that exists here (`runs/my-model` beside `runs/`)."""
-    first = ref.split("/", 1)[0]
-    return ref.startswith((".", "/", "~")) or ref.count("/") > 1 or "\\" in ref or ("/" in ref and Path(first).exists())
 
 
 def is_repo_id(ref: str) -> bool:
