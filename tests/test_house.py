@@ -5,8 +5,9 @@ import ast
 from pathlib import Path
 
 PACKAGE = Path(__file__).resolve().parent.parent / "llama_scratch"
-# Imported inside a function on purpose, each for a reason its code states: matplotlib costs half a second at start.
-DEFERRED = {"matplotlib", "matplotlib.pyplot"}
+# Imported inside a function on purpose, each for a reason its code states: matplotlib costs half a second at start;
+# pyarrow is optional (the `parquet` extra), needed only for a Parquet file.
+DEFERRED = {"matplotlib", "matplotlib.pyplot", "pyarrow.parquet"}
 
 
 def imports() -> dict[str, tuple[set[str], set[str]]]:
