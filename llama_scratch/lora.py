@@ -138,7 +138,8 @@ def add_lora(
 
     The wrapped weights are frozen and the adapters trainable; nothing else changes its requires_grad (the
     classifier decides what else trains). `rank` may be a LoRASettings instead of the four values. Returns the
-    adapted block indices, sorted.
+    adapted block indices, sorted. Add adapters after loading the base weights: a base checkpoint has no
+    lora_a or lora_b to load.
     """
     s = rank if isinstance(rank, LoRASettings) else LoRASettings(rank, alpha, dropout, parse_targets(targets))
     all_blocks = blocks_of(model)
