@@ -129,6 +129,23 @@ RUN_KEYS = ("base_model", "weights_include_backbone", "config", "num_classes", "
             "tokenizer", "max_length", "dtype")  # fmt: skip
 
 
+def wrong_types(meta: dict) -> list[str]:
+    """The entries of classifier.json that do not have the type a run writes (a hand-edited or foreign file)."""
+    kinds = {"base_model": str, "weights_include_backbone": bool, "config": dict, "num_classes": int,
+             "label_names": list, "tokenizer": str, "max_length": int, "dtype": str}  # fmt: skip
+    wrong = [k for k, kind in kinds.items() if not isinstance(meta[k], kind) or (kind is int and meta[k] is True)]
+    if not ("num_classes" in wrong or "label_names" in wrong):
+        if meta["num_classes"] < 2 or len(meta["label_names"]) != meta["num_classes"]:
+            wrong.append("num_classes/label_names")
+        elif not all(isinstance(n, str) for n in meta["label_names"]):
+            wrong.append("label_names")
+    if not (meta["train_last"] is None or type(meta["train_last"]) is int):
+        wrong.append("train_last")
+    if not isinstance(meta.get("base_model_relative", ""), str) or not isinstance(meta.get("lora") or {}, dict):
+        wrong.append("base_model_relative/lora")
+    return wrong
+
+
 def read_run_files(meta_path: Path, weights_path: Path) -> dict:
     """classifier.json, checked to hold what loading needs and to come from the same run as the weights file."""
     try:
@@ -140,6 +157,8 @@ def read_run_files(meta_path: Path, weights_path: Path) -> dict:
     missing = [k for k in RUN_KEYS if k not in meta] if isinstance(meta, dict) else list(RUN_KEYS)
     if missing:
         raise CheckpointError(f"{meta_path} is not a classifier description (it lacks {', '.join(missing)})")
+    if wrong := wrong_types(meta):
+        raise CheckpointError(f"{meta_path}: {', '.join(wrong)} not as a finished run writes them")
     if meta.get("run_id") != weights_run:  # runs from before run ids have neither
         raise CheckpointError(
             f"{meta_path.parent}: classifier.json and classifier.safetensors come from different runs (run ids "

@@ -97,7 +97,7 @@ def read_point(path: Path) -> dict:
             if not isinstance(record, dict) or record.get("format") != FORMAT:
                 raise ResumeError(f"{path} is not a llama_scratch resume point ({FORMAT})")
             return _decode(record, f)
-    except (SafetensorError, OSError, json.JSONDecodeError, KeyError, TypeError, AttributeError) as e:
+    except (SafetensorError, OSError, ValueError, KeyError, TypeError, AttributeError) as e:
         raise ResumeError(f"{path} is not a readable resume point: {e}") from None
 
 

@@ -37,8 +37,8 @@ RESULT_FILES = (
     "metrics.json",
     "classifier.json",
 )
-LEGACY_RESUME = "checkpoint.pt"  # a pickle written by versions before 0.2; never loaded
-_OUR_TEMP = re.compile(r"\..+\.\d+\.(tmp|old)")  # atomic.write_atomic's temporary names
+MARKER = ".llama_scratch-run"  # written when a run starts: only a directory holding it is ours to clear
+_OUR_TEMP = re.compile(rf"\.({'|'.join(map(re.escape, WORK_FILES + RESULT_FILES))})\.\d+\.tmp")  # write_atomic's
 
 
 class OutputError(ValueError):
@@ -49,28 +49,32 @@ def new_run_id() -> str:
     return uuid.uuid4().hex
 
 
-def _ours(name: str) -> bool:
-    return name in WORK_FILES or name in RESULT_FILES or name == LEGACY_RESUME or bool(_OUR_TEMP.fullmatch(name))
+def _ours(entry: Path) -> bool:
+    """A plain file by one of the names a run writes (the names alone prove nothing without the marker)."""
+    name = entry.name
+    known = name in WORK_FILES or name in RESULT_FILES or name == MARKER or bool(_OUR_TEMP.fullmatch(name))
+    return known and entry.is_file() and not entry.is_symlink()
 
 
 def check_output(out: Path, resume: bool, overwrite: bool) -> str:
     """Whether this run may use `out`, decided before anything is loaded: 'new', 'unfinished' or 'finished'.
 
-    Raises OutputError for a directory that holds files we did not write (always), an unfinished run without
-    --resume/--overwrite, a finished run without --overwrite, and an old pickled resume point unless --overwrite.
+    Raises OutputError for a directory that holds anything we did not write (always: a non-empty directory without
+    our marker is not ours at all), an unfinished run without --resume/--overwrite, and a finished run without
+    --overwrite.
     """
     if out.exists() and not out.is_dir():
         raise OutputError(f"--output {out} is a file, not a directory")
-    names = sorted(p.name for p in out.iterdir()) if out.is_dir() else []
-    if foreign := [n for n in names if not _ours(n)]:
+    entries = sorted(out.iterdir()) if out.is_dir() else []
+    names = [e.name for e in entries]
+    foreign = names if entries and MARKER not in names else [e.name for e in entries if not _ours(e)]
+    if foreign:  # without our marker nothing in it is ours, whatever the names (metrics.json is a common name)
         shown = ", ".join(foreign[:5]) + (f" and {len(foreign) - 5} more" if len(foreign) > 5 else "")
-        raise OutputError(
-            f"--output {out} holds files this tool did not write ({shown}); choose a new or empty directory"
+        legacy = (
+            " (checkpoint.pt of an older version is a pickle and is never loaded)" if "checkpoint.pt" in names else ""
         )
-    if LEGACY_RESUME in names and not overwrite:
         raise OutputError(
-            f"{out} holds a resume point from an older version ({LEGACY_RESUME}, a pickle, which is never loaded "
-            "because unpickling can run code); pass --overwrite to start this run again"
+            f"--output {out} holds files this tool did not write ({shown}){legacy}; choose a new or empty directory"
         )
     if RESUME_FILE in names or BEST_FILE in names:
         if not (resume or overwrite):
@@ -87,10 +91,10 @@ def check_output(out: Path, resume: bool, overwrite: bool) -> str:
 
 
 def clear_run(out: Path) -> None:
-    """Remove an earlier run's files (ours by name: `check_output` has refused any directory with others)."""
+    """Remove an earlier run's files (`check_output` has refused any directory holding others, or no marker)."""
     if out.is_dir():
         for path in out.iterdir():
-            if _ours(path.name) and path.is_file():
+            if _ours(path) and path.name != MARKER:
                 path.unlink()
 
 
@@ -201,7 +205,7 @@ def write_results(out: Path, save, metrics: dict, meta: dict, history: list[dict
     plot_confusion(metrics["test_confusion"], metrics["label_names"], out / "confusion.png")
     write_text_atomic(out / "metrics.json", json.dumps(metrics, indent=2) + "\n")
     write_text_atomic(out / "classifier.json", json.dumps(meta, indent=2) + "\n")
-    for name in WORK_FILES:  # the run is complete; its resume point and working copy are spent
+    for name in (BEST_FILE, RESUME_FILE):  # spent; the resume point last, so a crash here still reads "unfinished"
         (out / name).unlink(missing_ok=True)
 
 
@@ -212,6 +216,8 @@ def start_output(out: Path, resume: bool, pointed: bool, env: Dist) -> None:
         if not resume:
             clear_run(out)
         out.mkdir(parents=True, exist_ok=True)
+        if not (out / MARKER).exists():
+            write_text_atomic(out / MARKER, "llama_scratch fine-tuning run: this tool may replace the files here\n")
         if pointed:  # a default output folder: runs/latest points at it
             point_latest(out)
     distributed.barrier()

@@ -72,6 +72,7 @@ class TrainState:
     epoch_sums: list[float] = field(default_factory=lambda: [0.0, 0.0, 0.0])
     train_seconds: float = 0.0
     train_tokens: int = 0
+    evaluated_step: int = -1  # the step at which an epoch's end (validation, history, best) was last recorded
 
 
 class TrainingDiverged(RuntimeError):
@@ -180,14 +181,21 @@ def save_resume_point(
 def load_resume_point(path: Path, model, optimizer, scheduler, settings: TrainSettings, identity: dict) -> TrainState:
     """Continue from `path`, refusing (by name) any setting, data or model that differs from the saved run's."""
     record = resume.read_point(path)
-    saved = {**record.get("settings", {}), **record.get("identity", {})}
+    try:
+        saved = {**record["settings"], **record["identity"]}
+        state = {k: v for k, v in record["state"].items() if k in {f.name for f in fields(TrainState)}}
+        defaults = asdict(TrainState())  # a counter this version dropped is ignored; a new one starts at its default
+        if bad := [k for k, v in state.items() if type(v) is not type(defaults[k]) and not (
+                isinstance(defaults[k], float) and type(v) is int)]:  # fmt: skip
+            raise TypeError(f"state entries of the wrong type: {', '.join(bad)}")
+    except (KeyError, TypeError, AttributeError, ValueError) as e:
+        raise resume.ResumeError(f"{path} is not a usable resume point: {e}") from None
     now = {**asdict(settings), **identity}
     for changeable in ("save_every",):  # how often to save may change between the two halves of a run
         saved.pop(changeable, None), now.pop(changeable, None)
     resume.check_same_run(path, saved, now)
     resume.restore(record, distributed.unwrap(model), optimizer, scheduler, path)
-    known = {f.name for f in fields(TrainState)}  # a counter this version dropped is ignored; a new one starts at 0
-    return TrainState(**{k: v for k, v in record["state"].items() if k in known})
+    return TrainState(**state)
 
 
 # ---------------------------------------------------------------------------------------------- the loop
@@ -252,6 +260,7 @@ def finish_epoch(state: TrainState, val: dict, complete: bool, on_best, env: Dis
         "val_accuracy": val["accuracy"],
     }
     state.history.append(row)
+    state.evaluated_step = state.step
     log(
         f"epoch {row['epoch']}: step {row['step']}, train loss {row['train_loss']:.4f} acc "
         f"{row['train_accuracy']:.2%}, val loss {row['val_loss']:.4f} acc {row['val_accuracy']:.2%}"
@@ -299,7 +308,9 @@ def train_epoch(loop: Loop, split: Split, state: TrainState) -> bool:
         disable=not env.is_main,
     )
     started = time.perf_counter()
-    for k in range(state.batches_done, len(batches), s.grad_accum):
+    # Resumed after the run's last step but before that epoch's end was recorded: nothing left to step.
+    todo = range(state.batches_done, len(batches), s.grad_accum) if state.step < loop.total else range(0)
+    for k in todo:
         sums, tokens = train_step(loop.model, split, batches[k : k + s.grad_accum], s, env, loop.device)
         params = [p for p in loop.model.parameters() if p.requires_grad]
         norm = nn.utils.clip_grad_norm_(params, s.clip_grad if s.clip_grad > 0 else float("inf"))
@@ -325,6 +336,18 @@ def train_epoch(loop: Loop, split: Split, state: TrainState) -> bool:
             break
     bar.close()
     return state.batches_done >= len(batches)
+
+
+def patience_spent(state: TrainState, s: TrainSettings) -> bool:
+    return bool(s.patience) and state.best_epoch >= 0 and state.epoch - state.best_epoch >= s.patience
+
+
+def more_to_do(state: TrainState, s: TrainSettings, total: int) -> bool:
+    """Steps left, or an epoch whose end was not recorded yet (a resume point saved at the last step, before its
+    evaluation); never after early stopping, so a resumed run that had stopped stays stopped."""
+    if state.epoch >= s.epochs or patience_spent(state, s):
+        return False
+    return state.step < total or state.evaluated_step != state.step
 
 
 def train(
@@ -357,7 +380,7 @@ def train(
         log(f"--resume: no resume point at {loop.resume_path}; starting from the beginning")
     model.train()
     try:
-        while state.epoch < s.epochs and state.step < total:
+        while more_to_do(state, s, total):
             complete = train_epoch(loop, splits["train"], state)
             val = evaluate(model, splits["val"], s, env, device, "evaluating val")
             with interrupts_deferred():  # the epoch's record, best weights and resume point: all or nothing
@@ -365,7 +388,7 @@ def train(
                 loop.save_point(state)
             if not complete:
                 break  # max_steps reached inside the epoch
-            if s.patience and state.epoch - state.best_epoch >= s.patience:
+            if patience_spent(state, s):
                 log(f"stopping early: no better validation result in the last {s.patience} epoch(s) (--patience)")
                 break
     except KeyboardInterrupt:

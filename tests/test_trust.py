@@ -58,6 +58,22 @@ def test_a_finished_run_survives_a_rerun_without_overwrite(small_csv, tmp_path, 
     assert load_file(out / "classifier.safetensors") is not None and not (out / "best.safetensors").exists()
 
 
+def test_files_with_our_names_but_not_from_a_run_are_never_cleared(small_csv, tmp_path, capsys):
+    """metrics.json and history.csv are common names: without a run's marker, a folder of them is not ours."""
+    out = tmp_path / "report"
+    out.mkdir()
+    for name in ("metrics.json", "history.csv", "confusion.png"):
+        (out / name).write_text("someone else's")
+    for extra in ([], ["--overwrite"]):
+        assert finetune_classifier.main(args_for(small_csv, out, "--max-steps", "1", *extra)) == 2
+        assert "did not write" in capsys.readouterr().err
+    assert all((out / n).read_text() == "someone else's" for n in ("metrics.json", "history.csv", "confusion.png"))
+    (out / "history.png").mkdir()  # a directory by a result's name is not ours either
+    (out / ".llama_scratch-run").write_text("")
+    assert finetune_classifier.main(args_for(small_csv, out, "--max-steps", "1", "--overwrite")) == 2
+    assert (out / "metrics.json").read_text() == "someone else's"
+
+
 def test_an_output_directory_with_foreign_files_is_refused(small_csv, tmp_path, capsys):
     out = tmp_path / "photos"
     out.mkdir()
@@ -125,6 +141,36 @@ def test_resume_refuses_other_data_train_last_or_columns_by_name(small_csv, tmp_
     assert (out / "resume.safetensors").exists()
     data.write_bytes(small_csv.read_bytes())
     assert finetune_classifier.main([*args_for(data, out), "--resume"]) == 0
+
+
+def test_an_interrupt_during_the_last_evaluation_then_resume_records_that_epoch(tmp_path, monkeypatch):
+    """A resume point saved after the run's last step but before its epoch's end was recorded: --resume must still
+    evaluate that epoch (before, the loop saw no steps left and skipped it: a history row and maybe the best lost)."""
+    ids = [[1 + (i * 7 + j) % 100 for j in range(4 + i % 5)] for i in range(16)]
+    splits = {"train": Split(ids, [i % 2 for i in range(16)]), "val": Split(ids[:8], [0, 1] * 4)}
+    settings = train.TrainSettings(epochs=2, batch_size=4, save_every=4, lr=1e-3)  # a save at the last step
+
+    def run(out, resume=False):
+        out.mkdir(exist_ok=True)
+        torch.manual_seed(0)
+        clf = LlamaClassifier(Llama(LlamaConfig.from_name("tiny")), num_classes=2, train_last=1)
+        return train.train(clf, splits, settings, Dist(), torch.device("cpu"), out, resume, None, lambda *a: 0)
+
+    whole = run(tmp_path / "whole")
+    real, calls = train.evaluate, []
+
+    def second_fails(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 2:
+            raise KeyboardInterrupt
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(train, "evaluate", second_fails)
+    with pytest.raises(KeyboardInterrupt):
+        run(tmp_path / "cut")
+    monkeypatch.setattr(train, "evaluate", real)
+    resumed = run(tmp_path / "cut", resume=True)
+    assert resumed.history == whole.history and resumed.best_epoch == whole.best_epoch
 
 
 def test_an_interrupt_while_the_best_weights_are_written_loses_nothing(tmp_path):
