@@ -128,6 +128,7 @@ def choose_model(args: argparse.Namespace, env: Dist, device: torch.device, log)
     if Path(ref).is_dir():  # a float32 copy that would not fit keeps the checkpoint's own dtype
         cfg = LlamaConfig.from_hf(ref)
         dtype = choose_dtype(args.dtype, device, cfg.dtype, count_parameters(cfg).backbone, log)
+    dtype = distributed.broadcast_object(dtype if env.is_main else None)  # free memory differs: rank 0 decides
     from_scratch = trains_from_scratch(ref)
     train_last = chosen_train_last(args.train_last, from_scratch)
     return ModelChoice(ref, repo_id, dtype, from_scratch, train_last, lora_settings(args, from_scratch))

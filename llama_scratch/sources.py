@@ -50,8 +50,8 @@ def local_checkpoint(ref: str, log=print) -> str:
             log(f"converting {path} into {target}/ (once)")
             convert_gguf(path, target)
         return str(target)
-    if not path.exists() and is_repo_id(ref):
-        return str(default_dir(ref) if (default_dir(ref) / "config.json").is_file() else fetch(ref, default_dir(ref)))
+    if not path.exists() and is_repo_id(ref):  # weights/NAME only if it was fetched from this very repository
+        return str(fetch(ref, default_dir(ref)))
     if not path.exists():
         if looks_like_path(ref):
             raise FileNotFoundError(f"{ref}: no such file or directory")
