@@ -58,8 +58,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    f"(default: {d.batch_size})")  # fmt: skip
     g.add_argument("--grad-accum", type=int, default=d.grad_accum, help="micro-batches per optimizer step "
                    f"(default: {d.grad_accum})")  # fmt: skip
-    g.add_argument("--lr", type=float, help=f"peak learning rate (default: {d.lr:g} for a pretrained model, 1e-3 "
-                   "from scratch)")  # fmt: skip
+    g.add_argument("--lr", type=float, help=f"peak learning rate (default: {d.lr:g} for a pretrained model, "
+                   f"{d.lr_fresh:g} with --lora or from scratch)")  # fmt: skip
     g.add_argument("--weight-decay", type=float, default=d.weight_decay, help=f"(default: {d.weight_decay})")
     g.add_argument("--warmup", type=float, default=d.warmup, help="fraction of steps for linear warm-up "
                    f"(default: {d.warmup})")  # fmt: skip

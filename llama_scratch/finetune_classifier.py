@@ -52,15 +52,16 @@ from .weights import copy_named_tensors, save_weights
 
 def recipe(args: argparse.Namespace, from_scratch: bool, train_labels: list[int], num_classes: int, env: Dist,
            log) -> TrainSettings:  # fmt: skip
-    """The training settings from the flags, with what depends on the data: random weights learn at 1e-3 (a
-    pretrained model is only adjusted, gently); small data gets more epochs; balanced class weights if asked."""
+    """The training settings from the flags, with what depends on the data: weights that start from nothing
+    (LoRA adapters, a model from scratch) learn at a higher rate than a pretrained model,
+    which is only adjusted; small data gets more epochs; balanced class weights if asked."""
     settings = TrainSettings(
         epochs=args.epochs or TrainSettings.epochs,
         max_steps=args.max_steps,
         min_steps=args.min_steps,
         batch_size=args.batch_size,
         grad_accum=args.grad_accum,
-        lr=args.lr or (1e-3 if from_scratch else TrainSettings.lr),
+        lr=args.lr or (TrainSettings.lr_fresh if from_scratch or args.lora else TrainSettings.lr),
         weight_decay=args.weight_decay,
         warmup=args.warmup,
         schedule=args.schedule,
