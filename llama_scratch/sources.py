@@ -10,6 +10,7 @@ directory", never a download. `finetune_classifier`, `classify`, `generate` and 
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import re
 from pathlib import Path
 
@@ -45,10 +46,11 @@ def local_checkpoint(ref: str, log=print) -> str:
         return ref
     path = Path(ref)
     if path.is_file() and path.suffix == ".gguf":
-        target = WEIGHTS_DIR / path.stem
+        origin = gguf_origin(path)
+        target = converted_dir(path, origin)
         if not (target / "config.json").is_file():
             log(f"converting {path} into {target}/ (once)")
-            convert_gguf(path, target)
+            convert_gguf(path, target, note=origin)
         return str(target)
     if not path.exists() and is_repo_id(ref):  # weights/NAME only if it was fetched from this very repository
         return str(fetch(ref, default_dir(ref)))
@@ -57,6 +59,23 @@ def local_checkpoint(ref: str, log=print) -> str:
             raise FileNotFoundError(f"{ref}: no such file or directory")
         raise FileNotFoundError(f"{ref!r} is neither a checkpoint path nor a preset ({', '.join(PRESETS)})")
     return ref
+
+
+def gguf_origin(path: Path) -> str:
+    """The line SOURCE.md records for a GGUF file: which file, of what size, changed when. A conversion is reused
+    only for the very file it came from, so two `model.gguf` files in different folders never share one."""
+    stat = path.stat()
+    return f"Source file: `{path.resolve()}` ({stat.st_size} bytes, modified {stat.st_mtime_ns} ns)."
+
+
+def converted_dir(path: Path, origin: str) -> Path:
+    """weights/NAME for a GGUF file's conversion: NAME is the file's stem, or stem-HASH when weights/STEM holds
+    something else (another file's conversion, or anything not converted from this file)."""
+    plain = WEIGHTS_DIR / path.stem
+    source_md = plain / "SOURCE.md"
+    if not plain.exists() or (source_md.is_file() and origin in source_md.read_text(errors="replace")):
+        return plain
+    return WEIGHTS_DIR / f"{path.stem}-{hashlib.sha256(origin.encode()).hexdigest()[:8]}"
 
 
 def load_model(

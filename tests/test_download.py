@@ -307,3 +307,22 @@ def test_failed_conversion_leaves_the_old_directory(tiny_gguf, tmp_path, monkeyp
     assert "No space left on device" in one_error_line(capsys.readouterr().err)
     assert contents(out) == before and [p.name for p in tmp_path.iterdir()] == ["ckpt"]  # no temporary left
     assert json.loads((out / "config.json").read_text())["num_hidden_layers"] == 2
+
+
+def test_a_gguf_conversion_is_reused_only_for_its_own_file(tiny_gguf, tmp_path, monkeypatch):
+    """Two files both called tiny.gguf get two conversions; the same file is converted once."""
+    import shutil
+
+    from llama_scratch import sources
+
+    monkeypatch.setattr(sources, "WEIGHTS_DIR", tmp_path / "weights")
+    other = tmp_path / "elsewhere" / "tiny.gguf"
+    other.parent.mkdir()
+    shutil.copy(tiny_gguf, other)
+    first = Path(sources.local_checkpoint(str(tiny_gguf), log=lambda *_: None))
+    stamp = (first / "model.safetensors").stat().st_mtime_ns
+    second = Path(sources.local_checkpoint(str(other), log=lambda *_: None))
+    assert first == tmp_path / "weights" / "tiny" and second.parent == first.parent and second != first
+    assert str(other.resolve()) in (second / "SOURCE.md").read_text()
+    again = Path(sources.local_checkpoint(str(tiny_gguf), log=lambda *_: None))
+    assert again == first and (first / "model.safetensors").stat().st_mtime_ns == stamp  # reused, not redone
