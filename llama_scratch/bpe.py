@@ -294,14 +294,37 @@ def hf_tokenizer_files(meta: dict, source: str = "GGUF") -> tuple[dict, dict]:
     vocab = {token: i for i, token in enumerate(tokens)}
     if len(vocab) != len(tokens):
         raise ValueError(f"{source}: the token list holds duplicates")
-    tokenizer_json = {
+    tokenizer_json = byte_level_bpe_json(
+        added_tokens=_added_tokens(tokens, types),
+        pre_tokenizer=PRE_TOKENIZERS[pre],
+        vocab=vocab,
+        merges=[merge.split(" ") for merge in meta["tokenizer.ggml.merges"]],
+        # A piece that is itself a token becomes that token, merges or not: what tiktoken always does, and what
+        # Llama-3 (whose merges do not reach every token) needs. Other vocabularies apply the merges.
+        ignore_merges=pre in _LLAMA3_NAMES,
+    )
+    return tokenizer_json, _hf_config(meta, tokens)
+
+
+def byte_level_bpe_json(
+    *,
+    added_tokens: list[dict],
+    pre_tokenizer: dict,
+    vocab: dict[str, int],
+    merges: list[list[str]],
+    ignore_merges: bool,
+    post_processor: dict | None = None,
+) -> dict:
+    """The `tokenizer.json` of a byte-level BPE (the Hugging Face tokenizers format), from its parts: what a GGUF's
+    vocabulary and a Llama-3 tiktoken file both become."""
+    return {
         "version": "1.0",
         "truncation": None,
         "padding": None,
-        "added_tokens": _added_tokens(tokens, types),
+        "added_tokens": added_tokens,
         "normalizer": None,
-        "pre_tokenizer": PRE_TOKENIZERS[pre],
-        "post_processor": None,
+        "pre_tokenizer": pre_tokenizer,
+        "post_processor": post_processor,
         "decoder": {"type": "ByteLevel", "add_prefix_space": True, "trim_offsets": True, "use_regex": True},
         "model": {
             "type": "BPE",
@@ -311,14 +334,11 @@ def hf_tokenizer_files(meta: dict, source: str = "GGUF") -> tuple[dict, dict]:
             "end_of_word_suffix": None,
             "fuse_unk": False,
             "byte_fallback": False,
-            # A piece that is itself a token becomes that token, merges or not: what tiktoken always does, and
-            # what Llama-3 (whose merges do not reach every token) needs. Other vocabularies apply the merges.
-            "ignore_merges": pre in _LLAMA3_NAMES,
+            "ignore_merges": ignore_merges,
             "vocab": vocab,
-            "merges": [merge.split(" ") for merge in meta["tokenizer.ggml.merges"]],
+            "merges": merges,
         },
     }
-    return tokenizer_json, _hf_config(meta, tokens)
 
 
 def _added_tokens(tokens: list[str], types: list[int]) -> list[dict]:

@@ -14,7 +14,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from .bpe import PRE_TOKENIZERS, token_spelling
+from .bpe import PRE_TOKENIZERS, byte_level_bpe_json, token_spelling
 from .tokenizer import Tokenizer, default_model_path, read_tiktoken_bpe
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
@@ -67,28 +67,14 @@ def tiktoken_json(model_file: Path, tokenizer: Tokenizer) -> dict:
     flags = {"single_word": False, "lstrip": False, "rstrip": False, "normalized": False, "special": True}
     by_id = sorted(tokenizer.special_tokens.items(), key=lambda item: item[1])
     added = [{"id": i, "content": name, **flags} for name, i in by_id]
-    return {
-        "version": "1.0",
-        "truncation": None,
-        "padding": None,
-        "added_tokens": added,
-        "normalizer": None,
-        "pre_tokenizer": PRE_TOKENIZERS["llama-bpe"],
-        "post_processor": bos_template(tokenizer),
-        "decoder": {"type": "ByteLevel", "add_prefix_space": True, "trim_offsets": True, "use_regex": True},
-        "model": {
-            "type": "BPE",
-            "dropout": None,
-            "unk_token": None,
-            "continuing_subword_prefix": None,
-            "end_of_word_suffix": None,
-            "fuse_unk": False,
-            "byte_fallback": False,
-            "ignore_merges": True,  # a piece that is a token is that token, as in tiktoken
-            "vocab": {token_spelling(token): rank for token, rank in ranks.items()},
-            "merges": [[token_spelling(left), token_spelling(right)] for left, right in merges_from_ranks(ranks)],
-        },
-    }
+    return byte_level_bpe_json(
+        added_tokens=added,
+        pre_tokenizer=PRE_TOKENIZERS["llama-bpe"],
+        vocab={token_spelling(token): rank for token, rank in ranks.items()},
+        merges=[[token_spelling(left), token_spelling(right)] for left, right in merges_from_ranks(ranks)],
+        ignore_merges=True,  # a piece that is a token is that token, as in tiktoken
+        post_processor=bos_template(tokenizer),
+    )
 
 
 def merges_from_ranks(ranks: dict[bytes, int]) -> list[tuple[bytes, bytes]]:

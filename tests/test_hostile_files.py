@@ -228,27 +228,40 @@ def peak_rss_mb() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB on Linux
 
 
-def test_fuzzed_safetensors_loads_or_is_a_checkpoint_error(tmp_path):
-    original = save_tiny(tmp_path / "model.safetensors").read_bytes()
-    header_end = 8 + int.from_bytes(original[:8], "little")
-    load_weights(meta_model(), tmp_path / "model.safetensors", progress=False)  # the first load's one-time costs
-    rng, outcomes, other = random.Random(1234), Counter(), []
+def fuzz(tmp_path, suffix: str, mutated, read, error: type[Exception], seed: int) -> None:
+    """200 files from `mutated(rng)`, each read by `read`: it succeeds or raises `error`, nothing else, within
+    30 s and 200 MB for all of them."""
+    rng, outcomes, other = random.Random(seed), Counter(), []
     start, rss = time.perf_counter(), peak_rss_mb()
     for i in range(200):
-        path = tmp_path / f"m{i}.safetensors"
-        path.write_bytes(mutate(original, rng, header_end) if i % 2 else retype(original, rng))
+        path = tmp_path / f"m{i}{suffix}"
+        path.write_bytes(mutated(rng, i))
         try:
-            load_weights(meta_model(), path, progress=False)
-            outcomes["loaded"] += 1
-        except CheckpointError:
-            outcomes["CheckpointError"] += 1
+            read(path)
+            outcomes["read"] += 1
+        except error:
+            outcomes[error.__name__] += 1
         except Exception as e:
             other.append(f"m{i}: {type(e).__name__}: {e}")
         path.unlink()
     print(dict(outcomes), f"{time.perf_counter() - start:.1f} s", f"+{peak_rss_mb() - rss:.0f} MB peak")
     assert not other, other
-    assert outcomes["CheckpointError"] > 100
+    assert outcomes[error.__name__] > 100
     assert time.perf_counter() - start < 30 and peak_rss_mb() - rss < 200
+
+
+def test_fuzzed_safetensors_loads_or_is_a_checkpoint_error(tmp_path):
+    original = save_tiny(tmp_path / "model.safetensors").read_bytes()
+    header_end = 8 + int.from_bytes(original[:8], "little")
+    load_weights(meta_model(), tmp_path / "model.safetensors", progress=False)  # the first load's one-time costs
+
+    def mutated(rng, i):
+        return mutate(original, rng, header_end) if i % 2 else retype(original, rng)
+
+    def read(path):
+        load_weights(meta_model(), path, progress=False)
+
+    fuzz(tmp_path, ".safetensors", mutated, read, CheckpointError, seed=1234)
 
 
 # --- GGUF -----------------------------------------------------------------------------------------------------
@@ -380,20 +393,4 @@ def test_fuzzed_gguf_reads_or_is_a_gguf_error(tmp_path):
     original = write_small_gguf(tmp_path / "ok.gguf").read_bytes()
     header_end = gguf.GGUFReader(tmp_path / "ok.gguf").data_offset
     read_all(tmp_path / "ok.gguf")
-    rng, outcomes, other = random.Random(4321), Counter(), []
-    start, rss = time.perf_counter(), peak_rss_mb()
-    for i in range(200):
-        path = tmp_path / f"m{i}.gguf"
-        path.write_bytes(mutate(original, rng, header_end))
-        try:
-            read_all(path)
-            outcomes["read"] += 1
-        except GGUFError:
-            outcomes["GGUFError"] += 1
-        except Exception as e:
-            other.append(f"m{i}: {type(e).__name__}: {e}")
-        path.unlink()
-    print(dict(outcomes), f"{time.perf_counter() - start:.1f} s", f"+{peak_rss_mb() - rss:.0f} MB peak")
-    assert not other, other
-    assert outcomes["GGUFError"] > 100
-    assert time.perf_counter() - start < 30 and peak_rss_mb() - rss < 200
+    fuzz(tmp_path, ".gguf", lambda rng, i: mutate(original, rng, header_end), read_all, GGUFError, seed=4321)
