@@ -15,6 +15,7 @@ from .batching import Split, collate, length_sorted_batches
 from .classifier import LlamaClassifier
 from .devices import free_memory, memory_budget
 from .distributed import Dist
+from .packing import pack_ids
 
 
 def cache_bytes(token_lists: list[list[int]], clf: LlamaClassifier) -> int:
@@ -32,11 +33,12 @@ def compute_frozen_states(
     show: bool = True,
     env: Dist | None = None,
     name: str = "",
+    packed: bool = True,
 ) -> list[torch.Tensor]:
     """Each text's residual stream after the frozen blocks: a [length, dim] tensor per text, on the model's device.
 
-    Texts go through in batches sorted by length (little padding). Right padding keeps each row's real
-    positions identical to running it alone, since causal attention never looks ahead at the pads. Under DDP
+    Texts go through in batches sorted by length, packed without padding (`packed`, packing.py) or right-padded,
+    which keeps each row's real positions identical to running it alone (causal attention never looks ahead). Under DDP
     each process computes every N-th text and the processes then exchange them: all end up with every text.
     """
     env = env or Dist()  # one process
@@ -45,9 +47,15 @@ def compute_frozen_states(
     states: list[torch.Tensor] = [torch.empty(0)] * len(token_lists)
     batches = length_sorted_batches([len(x) for x in token_lists], batch_size, env.rank, env.world_size)
     for rows in tqdm(batches, f"caching frozen layers {name}".strip(), leave=False, disable=not (show and env.is_main)):
+        if packed:  # no padding: each text's states are its own stretch of the stream
+            ids, layout = pack_ids([token_lists[i] for i in rows], device)
+            x = backbone.run_blocks(backbone.embed_tokens(ids), stop=start, packed=layout)
+            for i, s in zip(rows, layout.split(x), strict=True):
+                states[i] = s.clone()
+            continue
         batch = collate([(token_lists[i], 0) for i in rows], pad_id)
         ids, mask = batch["input_ids"].to(device), batch["attention_mask"].to(device)
-        x = backbone.run_blocks(backbone.embed_tokens(ids), mask, stop=start)
+        x = backbone.run_blocks(backbone.embed_tokens(ids), mask, stop=start, padding_side="right")
         for row, i in enumerate(rows):
             states[i] = x[row, : len(token_lists[i])].clone()
     if env.enabled:
