@@ -9,10 +9,10 @@ Both models are read from one checkpoint written with `save_checkpoint` (ours th
 freshly initialised head is copied into their `score`. Both train on the same batches of real SMS texts (tokenized
 with `Tokenizer.default()`, BOS added, right-padded by `batching.collate`), in float32 on the CPU, with the same step as
 `train.py`: cross-entropy, backward, gradient clipping at 1.0, AdamW from `train.make_optimizer` over the same
-trainable set. The first step must give the same loss and gradients on both
-sides (asserted), so the timing compares the same work. `--ours packed` (the default, as training runs) feeds
-ours the same texts packed without padding (`packing.py`); theirs always gets the padded batch. After warm-up, each round times `--steps` steps of ours
-and of theirs, alternating which goes first; the table reports the median over rounds and the ratio
+trainable set. The first step must give the same loss and gradients on both sides (asserted), so the timing
+compares the same work. `--ours packed` (the default, as training runs) feeds ours the same texts packed without
+padding (`packing.py`); theirs always gets the padded batch. After warm-up, each round times `--steps` steps of
+ours and of theirs, alternating which goes first; the table reports the median over rounds and the ratio
 theirs / ours (above 1: ours is faster).
 
 `small` is a Llama-3-shaped model of ~44M parameters (GQA 4:1, SwiGLU 3.5x, rope theta 500k, tied embeddings)

@@ -33,12 +33,13 @@ def compute_frozen_states(
     show: bool = True,
     env: Dist | None = None,
     name: str = "",
-    packed: bool = True,
+    packed: bool = False,
 ) -> list[torch.Tensor]:
     """Each text's residual stream after the frozen blocks: a [length, dim] tensor per text, on the model's device.
 
-    Texts go through in batches sorted by length, packed without padding (`packed`, packing.py) or right-padded,
-    which keeps each row's real positions identical to running it alone (causal attention never looks ahead). Under DDP
+    Texts go through in batches sorted by length, right-padded (which keeps each row's real positions identical to
+    running it alone: causal attention never looks ahead) or packed without padding (`packed`, packing.py). Sorted
+    batches carry little padding, so packing gained only 1.07x here (benchmarks/RESULTS.md): padded by default. Under DDP
     each process computes every N-th text and the processes then exchange them: all end up with every text.
     """
     env = env or Dist()  # one process
