@@ -121,10 +121,13 @@ class LlamaClassifier(nn.Module):
         if packed is not None:
             pooled = backbone.run_blocks(x, start=start, query_rows=packed.last, packed=packed)[0]  # [B, dim]
         else:
-            if attention_mask is None:  # every row ends at the last position
+            last = last_real_positions(attention_mask, x.shape[0], x.shape[1], x.device)
+            # Rows that all end at the last position need no mask there (the fastest kernel). Only a caller that did
+            # not say how it padded pays a look at the device tensor (a host sync) to find out.
+            if attention_mask is None or (padding_side is None and bool((last == x.shape[1] - 1).all())):
                 rows: torch.Tensor | slice = slice(-1, None)
             else:
-                rows = last_real_positions(attention_mask, x.shape[0], x.shape[1], x.device)[:, None]
+                rows = last[:, None]
             pooled = backbone.run_blocks(x, attention_mask, start=start, query_rows=rows, padding_side=padding_side)[
                 :, 0
             ]

@@ -87,8 +87,8 @@ Rows = torch.Tensor | slice
 
 def at_rows(t: torch.Tensor, rows: Rows) -> torch.Tensor:
     """t [B or 1, T, ...] at the positions `rows` [B, R] of each batch row -> [B, R, ...] (a slice: t[:, rows])."""
-    if isinstance(rows, slice):
-        return t[:, rows]
+    if isinstance(rows, slice):  # a copy, as indexing with a tensor makes: a view saved for backward keeps all of t
+        return t[:, rows].clone()
     batch = torch.arange(rows.shape[0], device=rows.device)[:, None]
     return t.expand(rows.shape[0], *t.shape[1:])[batch, rows]
 

@@ -39,8 +39,8 @@ def compute_frozen_states(
 
     Texts go through in batches sorted by length, right-padded (which keeps each row's real positions identical to
     running it alone: causal attention never looks ahead) or packed without padding (`packed`, packing.py). Sorted
-    batches carry little padding, so packing gained only 1.07x here (benchmarks/RESULTS.md): padded by default. Under DDP
-    each process computes every N-th text and the processes then exchange them: all end up with every text.
+    batches carry little padding, so packing gained only 1.07x here (benchmarks/RESULTS.md): padded by default.
+    Under DDP each process computes every N-th text and the processes then exchange them: all end up with every text.
     """
     env = env or Dist()  # one process
     backbone, start = clf.backbone, clf.frozen_blocks
