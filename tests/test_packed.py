@@ -114,3 +114,14 @@ def test_no_host_sync_in_a_classifier_forward(monkeypatch, layout):
     F.cross_entropy(forward(clf, batch), batch["labels"]).backward()
     monkeypatch.undo()
     assert reads == []
+
+
+def test_packed_with_gradient_checkpointing():
+    """Recomputing blocks in backward (the packed layout passed through `checkpoint`) gives the same gradients."""
+    clf = LlamaClassifier(tiny(), num_classes=3, train_last=None).train()
+    batch = to_batch(split(), [0, 1, 2, 3], "packed", torch.device("cpu"))
+    _, plain = logits_and_grads(clf, batch)
+    clf.backbone.gradient_checkpointing = True
+    _, recomputed = logits_and_grads(clf, batch)
+    for name, g in recomputed.items():
+        torch.testing.assert_close(g, plain[name], rtol=1e-6, atol=1e-6, msg=name)
