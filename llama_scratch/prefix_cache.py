@@ -39,7 +39,7 @@ def compute_frozen_states(
 
     Texts go through in batches sorted by length, right-padded (which keeps each row's real positions identical to
     running it alone: causal attention never looks ahead) or packed without padding (`packed`, packing.py). Sorted
-    batches carry little padding, so packing gained only 1.07x here (benchmarks/RESULTS.md): padded by default.
+    batches carry little padding, so packing gains less here (1.09x, benchmarks/RESULTS.md); `cache_splits` packs.
     Under DDP each process computes every N-th text and the processes then exchange them: all end up with every text.
     """
     env = env or Dist()  # one process
@@ -94,6 +94,8 @@ def use_cache(
 def cache_splits(clf: LlamaClassifier, splits: dict[str, Split], rows: int, env: Dist) -> dict[str, Split]:
     """The same splits, each text carrying its frozen-prefix output (the training loop then runs only the rest)."""
     return {
-        k: Split(v.ids, v.labels, compute_frozen_states(clf, v.ids, v.pad_id, rows, env=env, name=k), v.pad_id)
+        k: Split(
+            v.ids, v.labels, compute_frozen_states(clf, v.ids, v.pad_id, rows, env=env, name=k, packed=True), v.pad_id
+        )
         for k, v in splits.items()
     }
