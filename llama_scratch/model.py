@@ -170,7 +170,7 @@ class Attention(nn.Module):
         query_rows [B, R]: positions of x where the caller reads the output. Keys and values come from every
         position, but queries and everything after them are computed at those rows only.
         packed: x [1, N, dim] holds several texts one after another (packing.py); each attends to itself only,
-        causally, laid out as a right-padded batch for the kernel. query_rows [1, R] are then stream positions.
+        causally, laid out as a right-padded batch for the kernel. query_rows is then `packed.last` (one per text).
         """
         B, T, _ = x.shape
         k = self.k_proj(x).view(B, T, self.n_kv_heads, self.head_dim).transpose(1, 2)  # [B, kv_heads, T, head_dim]
