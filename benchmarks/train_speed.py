@@ -2,16 +2,17 @@
 
 Run: python benchmarks/train_speed.py [--preset small|tiny|PRESET] [--batch-size 8] [--seq-len real|N]
                                       [--train-last 1 all] [--lora RANK] [--rounds 5] [--steps 3] [--threads N]
-                                      [--profile]
+                                      [--ours packed|padded] [--profile]
 
 Both models are read from one checkpoint written with `save_checkpoint` (ours through `load_weights`, theirs through
 `from_pretrained` with `attn_implementation="sdpa"` and `use_cache=False`, its fastest training setup), and our
 freshly initialised head is copied into their `score`. Both train on the same batches of real SMS texts (tokenized
 with `Tokenizer.default()`, BOS added, right-padded by `batching.collate`), in float32 on the CPU, with the same step as
 `train.py`: cross-entropy, backward, gradient clipping at 1.0, AdamW from `train.make_optimizer` over the same
-trainable set. The first step must give the same loss and gradients on both
-sides (asserted), so the timing compares the same work. After warm-up, each round times `--steps` steps of ours
-and of theirs, alternating which goes first; the table reports the median over rounds and the ratio
+trainable set. The first step must give the same loss and gradients on both sides (asserted), so the timing
+compares the same work. `--ours packed` (the default, as training runs) feeds ours the same texts packed without
+padding (`packing.py`); theirs always gets the padded batch. After warm-up, each round times `--steps` steps of
+ours and of theirs, alternating which goes first; the table reports the median over rounds and the ratio
 theirs / ours (above 1: ours is faster).
 
 `small` is a Llama-3-shaped model of ~44M parameters (GQA 4:1, SwiGLU 3.5x, rope theta 500k, tied embeddings)
@@ -51,6 +52,7 @@ from llama_scratch.batching import collate
 from llama_scratch.checkpoint_files import ours_to_hf
 from llama_scratch.data import load_sms_spam
 from llama_scratch.lora import TARGETS, LoRASettings, lora_layers
+from llama_scratch.packing import pack_ids
 from llama_scratch.train import TrainSettings, make_optimizer
 from llama_scratch.weights import load_weights, save_checkpoint
 
@@ -104,13 +106,15 @@ def renumber(batches: list[list[list[int]]], pad_id: int, vocab_size: int) -> tu
     return [[[index[t] for t in row] for row in batch] for batch in batches], index[pad_id]
 
 
-def to_tensors(rows: list[list[int]], pad_id: int, pad_to: int | None) -> dict[str, torch.Tensor]:
-    """Right-padded batch from `batching.collate`; `pad_to` pads further to a fixed length (pad-to-global-maximum)."""
+def to_tensors(rows: list[list[int]], pad_id: int, pad_to: int | None) -> dict:
+    """Right-padded batch from `batching.collate`; `pad_to` pads further to a fixed length (pad-to-global-maximum).
+    The same texts packed without padding (`packing.pack_ids`) ride along for our packed layout."""
     batch = collate([(row, i % 2) for i, row in enumerate(rows)], pad_id, "right")  # labels alternate 0/1
     if pad_to is not None and batch["input_ids"].shape[1] < pad_to:
         extra = pad_to - batch["input_ids"].shape[1]
         batch["input_ids"] = F.pad(batch["input_ids"], (0, extra), value=pad_id)
         batch["attention_mask"] = F.pad(batch["attention_mask"], (0, extra), value=0)
+    batch["packed_ids"], batch["packed"] = pack_ids(rows)
     return batch
 
 
@@ -234,7 +238,13 @@ class Trainer:
 
 
 def forward_ours(model, batch):
-    return model(batch["input_ids"], batch["attention_mask"])
+    """Ours on the padded batch; the side is known where the batch is built, as `batching.to_batch` passes it."""
+    return model(batch["input_ids"], batch["attention_mask"], padding_side="right")
+
+
+def forward_ours_packed(model, batch):
+    """Ours on the same texts packed without padding (what `batching.to_batch` gives for the layout "packed")."""
+    return model(batch["packed_ids"], packed=batch["packed"])
 
 
 def forward_theirs(model, batch):
@@ -307,6 +317,14 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=2, help="untimed steps per model before the rounds")
     parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--ours", choices=["packed", "padded"], default="packed", help="our batch layout")
+    parser.add_argument(
+        "--compile",
+        action="store_true",
+        help="torch.compile (dynamic shapes) our token-wise modules: every block's feed-forward and norms "
+        "(attention stays eager: a packed layout's lengths would recompile it per batch); the warm-up line "
+        "shows the compile time",
+    )
     parser.add_argument("--profile", action="store_true", help="also print a torch.profiler table of each model")
     args = parser.parse_args()
 
@@ -345,8 +363,7 @@ def main() -> None:
         f"batches: {args.batches} x {args.batch_size} SMS texts, right-padded to {shape} tokens; mean "
         f"{real_tokens:.0f} real of {padded:.0f} positions per batch; AdamW lr {settings.lr}, clip {settings.clip_grad}"
     )
-    _, fast_mask = model.attention_inputs(batches[0]["attention_mask"], batches[0]["input_ids"].shape[1], "cpu")
-    print(f"our attention: {'is_causal fast path (no mask)' if fast_mask is None else 'explicit [B,1,T,T] mask'}")
+    print(f"ours: {args.ours} batches (packed: no padding in norms, projections, feed-forward; attention per text)")
 
     results = []
     with tempfile.TemporaryDirectory() as tmp:
@@ -356,16 +373,21 @@ def main() -> None:
             train_last = None if setting == "all" else int(setting)
             lora = None if args.lora is None else LoRASettings(args.lora, alpha=2 * args.lora, dropout=0.0)
             ours_model, theirs_model, ours_params, n_train = build_pair(ckpt, cfg, head, pad_id, train_last, lora)
-            ours = Trainer(ours_model, forward_ours, settings)
+            ours = Trainer(ours_model, forward_ours_packed if args.ours == "packed" else forward_ours, settings)
             theirs = Trainer(theirs_model, forward_theirs, settings)
             loss, grad_diff = check_first_step(ours, theirs, ours_params, batches[0])
             label = f"train_last={setting}" if lora is None else f"lora{lora.rank}-last{setting}"
+            label += f", ours {args.ours}"
             print(
                 f"\n{label}: {n_train / 1e6:.2f}M trainable; first step loss {loss:.6f} on both "
                 f"(gradients agree to {grad_diff:.1e} relative)"
             )
-            timed(ours, batches, args.warmup)
-            timed(theirs, batches, args.warmup)
+            if args.compile:
+                for block in ours_model.backbone.blocks:
+                    for module in (block.ffn, block.attention_norm, block.ffn_norm):
+                        module.compile(dynamic=True)
+            warm = [timed(ours, batches, args.warmup) * args.warmup, timed(theirs, batches, args.warmup) * args.warmup]
+            print(f"  warm-up ({args.warmup} steps, compile included): ours {warm[0]:.1f} s, theirs {warm[1]:.1f} s")
             times = {"ours": [], "theirs": []}
             for r in range(args.rounds):
                 order = [("ours", ours), ("theirs", theirs)]

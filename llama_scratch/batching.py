@@ -8,11 +8,13 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Any, Protocol
 
 import torch
 from torch import nn
 from tqdm import tqdm
+
+from .packing import pack
 
 
 class Encoder(Protocol):
@@ -99,15 +101,40 @@ def pad_states(states: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
     return batch, mask
 
 
-def to_batch(split: Split, rows: list[int], side: str, device: torch.device) -> dict[str, torch.Tensor]:
-    """A padded batch: `input_ids` or (with a cache) `frozen_states`, `attention_mask` and `labels`."""
+def to_batch(split: Split, rows: list[int], side: str, device: torch.device) -> dict[str, Any]:
+    """A batch of these rows: `input_ids` or (with a cache) `frozen_states`, and `labels`; then either `packed`
+    (side "packed": the texts one after another, no padding, see packing.py) or `attention_mask` and
+    `padding_side` (side "right" or "left"). Decided here, on the host, so the forward never has to look.
+    """
+    labels = torch.tensor([split.labels[i] for i in rows]).to(device, non_blocking=True)
+    if side == "packed":
+        layout = pack([len(split.ids[i]) for i in rows], device)
+        if split.states is not None:
+            return {
+                "frozen_states": torch.cat([split.states[i] for i in rows])[None],
+                "packed": layout,
+                "labels": labels,
+            }
+        ids = torch.tensor([t for i in rows for t in split.ids[i]]).to(device, non_blocking=True)
+        return {"input_ids": ids[None], "packed": layout, "labels": labels}
     if split.states is not None:
         states, mask = pad_states([split.states[i] for i in rows])
-        labels = torch.tensor([split.labels[i] for i in rows], device=device)
-        return {"frozen_states": states.to(device), "attention_mask": mask.to(device), "labels": labels}
+        return {
+            "frozen_states": states.to(device),
+            "attention_mask": mask.to(device),
+            "labels": labels,
+            "padding_side": "right",
+        }
     batch = collate([(split.ids[i], split.labels[i]) for i in rows], split.pad_id, side)
-    return {k: v.to(device, non_blocking=True) for k, v in batch.items()}
+    return {k: v.to(device, non_blocking=True) for k, v in batch.items()} | {"padding_side": side}
 
 
-def forward(model: nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
-    return model(batch.get("input_ids"), batch["attention_mask"], frozen_states=batch.get("frozen_states"))
+def forward(model: nn.Module, batch: dict[str, Any]) -> torch.Tensor:
+    """The model's logits for a batch of `to_batch`, whichever its layout."""
+    return model(
+        batch.get("input_ids"),
+        batch.get("attention_mask"),
+        frozen_states=batch.get("frozen_states"),
+        packed=batch.get("packed"),
+        padding_side=batch.get("padding_side"),
+    )

@@ -7,6 +7,7 @@ from torch import nn
 
 from .lora import LoRASettings, add_lora, lora_layers
 from .model import Llama
+from .packing import Packed
 
 
 def trained_blocks(n_layers: int, train_last: int | None) -> range:
@@ -100,18 +101,34 @@ class LlamaClassifier(nn.Module):
         input_ids: torch.Tensor | None,
         attention_mask: torch.Tensor | None = None,
         frozen_states: torch.Tensor | None = None,
+        *,
+        packed: Packed | None = None,
+        padding_side: str | None = None,
     ) -> torch.Tensor:
         """[B, T] token ids and 1/0 mask -> [B, num_classes] class scores (logits).
 
         `frozen_states` [B, T, dim] replaces `input_ids` with the output of the frozen blocks, computed once
-        beforehand (see `prefix_cache`), so that only the trained blocks run.
+        beforehand (see `prefix_cache`), so that only the trained blocks run. With `packed`, the B texts come
+        packed without padding (packing.py): `input_ids` [1, N] or `frozen_states` [1, N, dim], no mask.
+        `padding_side`, when the batch's builder knows it, spares the model looking at the mask to find out.
         """
         backbone = self.backbone
         x = backbone.embed_tokens(input_ids) if frozen_states is None else frozen_states
         start = 0 if frozen_states is None else self.frozen_blocks  # frozen states: the trained blocks only
-        last = last_real_positions(attention_mask, x.shape[0], x.shape[1], x.device)
-        # The head reads one vector per row, so the last block runs only at each row's last real token: its query,
-        # attention output, feed-forward and all after run once per row instead of once per token (its keys and
-        # values still come from every position). With train_last=1 that is most of the work needing a backward.
-        pooled = backbone.run_blocks(x, attention_mask, start=start, query_rows=last[:, None])[:, 0]  # [B, dim]
+        # The head reads one vector per text, so the last block runs only at each text's last real token: its
+        # query, attention output, feed-forward and all after run once per text instead of once per token (its
+        # keys and values still come from every position). With train_last=1 that is most of the work.
+        if packed is not None:
+            pooled = backbone.run_blocks(x, start=start, query_rows=packed.last, packed=packed)[0]  # [B, dim]
+        else:
+            last = last_real_positions(attention_mask, x.shape[0], x.shape[1], x.device)
+            # Rows that all end at the last position need no mask there (the fastest kernel). Only a caller that did
+            # not say how it padded pays a look at the device tensor (a host sync) to find out.
+            if attention_mask is None or (padding_side is None and bool((last == x.shape[1] - 1).all())):
+                rows: torch.Tensor | slice = slice(-1, None)
+            else:
+                rows = last[:, None]
+            pooled = backbone.run_blocks(x, attention_mask, start=start, query_rows=rows, padding_side=padding_side)[
+                :, 0
+            ]
         return self.head(backbone.final_norm(pooled))

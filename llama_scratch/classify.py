@@ -20,7 +20,7 @@ from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_file
 
 from .atomic import write_text_atomic
-from .batching import collate, length_sorted_batches
+from .batching import Split, forward, length_sorted_batches, to_batch
 from .classifier import LlamaClassifier
 from .classify_inputs import Inputs, read_inputs
 from .config import PRESETS, LlamaConfig, parse_dtype
@@ -169,17 +169,22 @@ def read_run_files(meta_path: Path, weights_path: Path) -> dict:
 
 @torch.inference_mode()
 def predict_proba(
-    clf: LlamaClassifier, tokenizer: Tokenizer, texts: list[str], max_length: int | None = None, batch_size: int = 16
+    clf: LlamaClassifier,
+    tokenizer: Tokenizer,
+    texts: list[str],
+    max_length: int | None = None,
+    batch_size: int = 16,
+    layout: str = "packed",
 ) -> torch.Tensor:
     """Every class's probability per text, [texts, classes] in float32 on the CPU, in input order. Texts are cut
     to `max_length` tokens only if asked (by default, to the model's context: the training run's length limit is
-    no limit here). Batched by length, so each batch pads little."""
+    no limit here). Batched by length; `layout` "packed" (no padding at all, packing.py) or "right"/"left"."""
     device = clf.head.weight.device
     ids = [tokenizer.encode(t, bos=True)[: max_length or clf.backbone.cfg.max_seq_len] for t in texts]
+    split = Split(ids, [0] * len(ids), pad_id=tokenizer.pad_id)
     out = torch.zeros(len(ids), clf.head.out_features)
     for rows in length_sorted_batches([len(x) for x in ids], batch_size):
-        batch = collate([(ids[i], 0) for i in rows], tokenizer.pad_id)
-        logits = clf(batch["input_ids"].to(device), batch["attention_mask"].to(device))
+        logits = forward(clf, to_batch(split, rows, layout, device))
         out[rows] = logits.float().softmax(-1).cpu()
     return out
 

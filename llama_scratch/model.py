@@ -18,6 +18,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from .config import LlamaConfig, RopeScaling
+from .packing import Packed, Rows, at_rows, visible_keys
 
 
 class RMSNorm(nn.Module):
@@ -137,36 +138,6 @@ class KVCache:
         return BlockCache(self.keys[i], self.values[i], self.length)
 
 
-def at_rows(t: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
-    """t [B or 1, T, ...] at the positions `rows` [B, R] of each batch row -> [B, R, ...]."""
-    batch = torch.arange(rows.shape[0], device=rows.device)[:, None]
-    return t.expand(rows.shape[0], *t.shape[1:])[batch, rows]
-
-
-def visible_keys(
-    mask: torch.Tensor | None, query_rows: torch.Tensor | None, n_queries: int, n_keys: int, device: torch.device
-) -> tuple[torch.Tensor | None, bool]:
-    """`scaled_dot_product_attention`'s (attn_mask, is_causal) for queries at the last `n_queries` of `n_keys`
-    positions, or only at `query_rows` [B, R] of those. `mask` None means plain causal: each position sees itself
-    and every position before it. We pass a mask only where we must: the fastest kernels take none.
-    """
-    past = n_keys - n_queries  # cached positions before the first query
-    if query_rows is not None:
-        if mask is not None:
-            return at_rows(mask[:, 0], query_rows).unsqueeze(1), False  # the mask's rows: [B, 1, R, keys]
-        if bool((query_rows == n_queries - 1).all()):
-            return None, False  # every query is at the last position, which sees every key
-        return (torch.arange(n_keys, device=device) <= past + query_rows[..., None]).unsqueeze(1), False
-    if mask is not None:
-        return mask, False
-    if n_queries == n_keys:
-        return None, True
-    if n_queries == 1:
-        return None, False  # one new token after cached ones: it sees them all
-    # is_causal=True aligns its triangle top-left (query 0 with key 0); after cached keys it must end bottom-right.
-    return torch.ones(n_queries, n_keys, dtype=torch.bool, device=device).tril(diagonal=past), False
-
-
 class Attention(nn.Module):
     """Grouped-query attention: n_heads query heads share n_kv_heads key/value heads (a smaller KV cache).
 
@@ -189,7 +160,8 @@ class Attention(nn.Module):
         mask: torch.Tensor | None,
         *,
         cache: BlockCache | None = None,
-        query_rows: torch.Tensor | None = None,
+        query_rows: Rows | None = None,
+        packed: Packed | None = None,
     ) -> torch.Tensor:
         """x [B, T, dim] -> [B, T, dim], or [B, R, dim] at `query_rows`.
 
@@ -197,6 +169,8 @@ class Attention(nn.Module):
         True where a query may see a key. cache: earlier positions' keys and values; x's are stored after them.
         query_rows [B, R]: positions of x where the caller reads the output. Keys and values come from every
         position, but queries and everything after them are computed at those rows only.
+        packed: x [1, N, dim] holds several texts one after another (packing.py); each attends to itself only,
+        causally, laid out as a right-padded batch for the kernel. query_rows is then `packed.last` (one per text).
         """
         B, T, _ = x.shape
         k = self.k_proj(x).view(B, T, self.n_kv_heads, self.head_dim).transpose(1, 2)  # [B, kv_heads, T, head_dim]
@@ -204,12 +178,20 @@ class Attention(nn.Module):
         k = apply_rotary(k, *rope)
         if cache is not None:
             k, v = cache.write(k, v)  # now every position so far
-        mask, is_causal = visible_keys(mask, query_rows, T, k.shape[2], x.device)
+        if packed is not None:  # texts apart: [texts, kv_heads, longest, head_dim], right-padded
+            k, v = packed.pad(k), packed.pad(v)
+            mask, is_causal = (None, True) if query_rows is None else (packed.last_sees, False)
+        else:
+            mask, is_causal = visible_keys(mask, query_rows, T, k.shape[2], x.device)
         if query_rows is not None:  # queries only where the output is read
             x, rope = at_rows(x, query_rows), tuple(at_rows(t[:, 0], query_rows).unsqueeze(1) for t in rope)
         q = self.q_proj(x).view(B, x.shape[1], self.n_heads, self.head_dim).transpose(1, 2)  # [B, heads, *, hd]
         q = apply_rotary(q, *rope)
+        if packed is not None:  # every query row is one text's own (its last token): one query per text
+            q = packed.pad(q) if query_rows is None else q.transpose(0, 2)
         out = self.attend(q, k, v, mask, is_causal)
+        if packed is not None:
+            out = packed.unpad(out) if query_rows is None else out.transpose(0, 2)
         return self.o_proj(out.transpose(1, 2).reshape(B, x.shape[1], -1))
 
     def attend(
@@ -259,10 +241,11 @@ class Block(nn.Module):
         mask: torch.Tensor | None,
         *,
         cache: BlockCache | None = None,
-        query_rows: torch.Tensor | None = None,
+        query_rows: Rows | None = None,
+        packed: Packed | None = None,
     ) -> torch.Tensor:
         """x [B, T, dim] -> [B, T, dim]; with `query_rows` [B, R], only those rows: [B, R, dim] (see Attention)."""
-        attended = self.attention(self.attention_norm(x), rope, mask, cache=cache, query_rows=query_rows)
+        attended = self.attention(self.attention_norm(x), rope, mask, cache=cache, query_rows=query_rows, packed=packed)
         if query_rows is not None:
             x = at_rows(x, query_rows)  # the residual stream too, and the feed-forward below, only at those rows
         x = x + attended
@@ -288,13 +271,19 @@ class Llama(nn.Module):
         self.gradient_checkpointing = False
 
     def attention_inputs(
-        self, attention_mask: torch.Tensor | None, seq_len: int, device: torch.device, past: int = 0
+        self,
+        attention_mask: torch.Tensor | None,
+        seq_len: int,
+        device: torch.device,
+        past: int = 0,
+        padding_side: str | None = None,
     ) -> tuple[tuple[torch.Tensor, torch.Tensor], torch.Tensor | None]:
         """Rotary tables for the positions of `seq_len` tokens after `past` cached ones, and the attention mask:
         None for plain causal attention, else [B, 1, seq_len, past + seq_len] (`attention_mask` covers them all).
 
         Positions count real tokens only, so a left-padded row gets the same positions (and the same results)
-        as the row without padding.
+        as the row without padding. `padding_side` ("right" or "left"), when the caller knows it from building
+        the batch, spares reading the mask back to find out (a host-device sync on every forward, issue 20).
         """
         if attention_mask is None:
             positions = torch.arange(past, past + seq_len, device=device).expand(1, seq_len)
@@ -305,8 +294,11 @@ class Llama(nn.Module):
         # pads come after the text), so causal attention alone gives it exactly its unpadded result. A pad sees
         # earlier real tokens and pads: its output is garbage nobody reads. Plain causal attention keeps the fastest
         # kernel. This holds without a cache only: a token generated after right pads would see them.
-        right_padded_or_none = bool((real[:, :-1] >= real[:, 1:]).all())
-        if right_padded_or_none and (past == 0 or bool(real.all())):
+        if padding_side is None:
+            right_padded_or_none = bool((real[:, :-1] >= real[:, 1:]).all())
+        else:
+            right_padded_or_none = padding_side == "right"
+        if right_padded_or_none and (past == 0 or (padding_side is None and bool(real.all()))):
             return self.rope(positions), None
         n_keys = past + seq_len
         query_at = torch.arange(past, n_keys, device=device)[:, None]  # each query's position among the keys
@@ -323,25 +315,33 @@ class Llama(nn.Module):
         start: int = 0,
         stop: int | None = None,
         *,
-        query_rows: torch.Tensor | None = None,
+        query_rows: Rows | None = None,
         cache: KVCache | None = None,
+        packed: Packed | None = None,
+        padding_side: str | None = None,
     ) -> torch.Tensor:
         """The residual stream x [B, T, dim] through blocks[start:stop] (a slice lets frozen layers run once).
 
         query_rows [B, R]: the caller reads the output only at these positions, so the last block runs only there
         (its keys and values still come from every position) and the result is [B, R, dim].
         cache: x holds the positions after the cache's `length`; the caller advances it (see `hidden_states`).
+        packed: x [1, N, dim] is several texts packed without padding (no attention_mask; query_rows, if any, is
+        `packed.last`). padding_side: see `attention_inputs`.
         """
         blocks = range(len(self.blocks))[start:stop]
         if len(blocks) == 0:
             return x if query_rows is None else at_rows(x, query_rows)
         if cache is not None and cache.length + x.shape[1] > cache.max_len:
             raise ValueError(f"the cache holds {cache.max_len} positions; {cache.length} used, {x.shape[1]} more asked")
-        rope, mask = self.attention_inputs(attention_mask, x.shape[1], x.device, 0 if cache is None else cache.length)
+        if packed is not None:
+            rope, mask = self.rope(packed.positions), None
+        else:
+            past = 0 if cache is None else cache.length
+            rope, mask = self.attention_inputs(attention_mask, x.shape[1], x.device, past, padding_side)
         recompute = self.gradient_checkpointing and self.training and torch.is_grad_enabled()
         for i in blocks:
             block, rows = self.blocks[i], query_rows if i == blocks[-1] else None
-            kwargs = {"cache": None if cache is None else cache.block(i), "query_rows": rows}
+            kwargs = {"cache": None if cache is None else cache.block(i), "query_rows": rows, "packed": packed}
             # A frozen block fed by frozen blocks saves nothing for backward: there is nothing to recompute. A
             # block run at query rows only saves little (its norm, keys and values): not worth recomputing.
             if recompute and rows is None and (x.requires_grad or any(p.requires_grad for p in block.parameters())):

@@ -15,6 +15,7 @@ from .batching import Split, collate, length_sorted_batches
 from .classifier import LlamaClassifier
 from .devices import free_memory, memory_budget
 from .distributed import Dist
+from .packing import pack_ids
 
 
 def cache_bytes(token_lists: list[list[int]], clf: LlamaClassifier) -> int:
@@ -32,12 +33,14 @@ def compute_frozen_states(
     show: bool = True,
     env: Dist | None = None,
     name: str = "",
+    packed: bool = False,
 ) -> list[torch.Tensor]:
     """Each text's residual stream after the frozen blocks: a [length, dim] tensor per text, on the model's device.
 
-    Texts go through in batches sorted by length (little padding). Right padding keeps each row's real
-    positions identical to running it alone, since causal attention never looks ahead at the pads. Under DDP
-    each process computes every N-th text and the processes then exchange them: all end up with every text.
+    Texts go through in batches sorted by length, right-padded (which keeps each row's real positions identical to
+    running it alone: causal attention never looks ahead) or packed without padding (`packed`, packing.py). Sorted
+    batches carry little padding, so packing gains less here (1.09x, benchmarks/RESULTS.md); `cache_splits` packs.
+    Under DDP each process computes every N-th text and the processes then exchange them: all end up with every text.
     """
     env = env or Dist()  # one process
     backbone, start = clf.backbone, clf.frozen_blocks
@@ -45,9 +48,15 @@ def compute_frozen_states(
     states: list[torch.Tensor] = [torch.empty(0)] * len(token_lists)
     batches = length_sorted_batches([len(x) for x in token_lists], batch_size, env.rank, env.world_size)
     for rows in tqdm(batches, f"caching frozen layers {name}".strip(), leave=False, disable=not (show and env.is_main)):
+        if packed:  # no padding: each text's states are its own stretch of the stream
+            ids, layout = pack_ids([token_lists[i] for i in rows], device)
+            x = backbone.run_blocks(backbone.embed_tokens(ids), stop=start, packed=layout)
+            for i, s in zip(rows, layout.split(x), strict=True):
+                states[i] = s.clone()
+            continue
         batch = collate([(token_lists[i], 0) for i in rows], pad_id)
         ids, mask = batch["input_ids"].to(device), batch["attention_mask"].to(device)
-        x = backbone.run_blocks(backbone.embed_tokens(ids), mask, stop=start)
+        x = backbone.run_blocks(backbone.embed_tokens(ids), mask, stop=start, padding_side="right")
         for row, i in enumerate(rows):
             states[i] = x[row, : len(token_lists[i])].clone()
     if env.enabled:
@@ -85,6 +94,8 @@ def use_cache(
 def cache_splits(clf: LlamaClassifier, splits: dict[str, Split], rows: int, env: Dist) -> dict[str, Split]:
     """The same splits, each text carrying its frozen-prefix output (the training loop then runs only the rest)."""
     return {
-        k: Split(v.ids, v.labels, compute_frozen_states(clf, v.ids, v.pad_id, rows, env=env, name=k), v.pad_id)
+        k: Split(
+            v.ids, v.labels, compute_frozen_states(clf, v.ids, v.pad_id, rows, env=env, name=k, packed=True), v.pad_id
+        )
         for k, v in splits.items()
     }

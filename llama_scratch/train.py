@@ -47,7 +47,7 @@ class TrainSettings:
     seed: int = 123
     save_every: int = 50  # optimizer steps between resume checkpoints (also at every epoch end and on Ctrl-C)
     eval_batch_size: int | None = None  # None: 2 x batch_size
-    padding_side: str = "right"
+    padding_side: str = "packed"  # packed: no padding at all (packing.py, issue 19); "right"/"left" pad
     # AdamW state: "param" keeps the moments in the parameters' dtype (bfloat16 parameters: 4 bytes a trained
     # parameter); "float32" adds float32 master weights and float32 moments (12 bytes; see optim.py).
     optimizer_state: str = "param"
