@@ -78,9 +78,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    "half of what is free)")  # fmt: skip
     g.add_argument("--gradient-checkpointing", action="store_true", help="keep only each trained block's input "
                    "and recompute the rest in backward: far less activation memory, ~1/3 more compute")  # fmt: skip
-    g.add_argument("--optimizer-state", choices=["param", "float32"], default=d.optimizer_state, help="AdamW "
-                   "moments in the parameters' dtype, or float32 moments with float32 master weights (12 bytes per "
-                   f"trained parameter instead of 4 in bfloat16) (default: {d.optimizer_state})")  # fmt: skip
+    g.add_argument("--optimizer-state", choices=["param", "float32"], default=d.optimizer_state, help="float32: "
+                   "float32 master weights and moments for bfloat16 parameters (12 bytes per trained parameter); "
+                   "param: moments in the parameters' dtype (4 bytes in bfloat16, but most small updates are "
+                   f"rounded away) (default: {d.optimizer_state})")  # fmt: skip
     g.add_argument("--plan", action="store_true", help="print the memory each GPU needs for these settings and "
                    "whether it fits, then exit without loading data or weights")  # fmt: skip
     g.add_argument("--gpu-memory", type=float, metavar="GiB", help="GPU memory to check --plan against (default: "

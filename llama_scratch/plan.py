@@ -56,7 +56,7 @@ class Recipe:
     train_last: int | None = 1  # None: everything trains
     num_classes: int = 2
     dtype: torch.dtype | None = None  # parameter dtype; None: the config's
-    optimizer_state: str = "param"  # "param": AdamW moments in the parameter dtype; "float32": fp32 master + moments
+    optimizer_state: str = "float32"  # fp32 master + moments (the runs' default); "param": moments in the param dtype
     gradient_checkpointing: bool = False
     world_size: int = 1  # DDP: a full replica per process; its gradients are kept between steps (bucket views)
     grad_accum: int = 1  # >1: gradients stay allocated through the next micro-batch's forward
@@ -209,11 +209,11 @@ def optimizer_bytes(r: Recipe, counts) -> tuple[int, int]:
     master = r.optimizer_state == "float32" and s < FP32
     state_size = FP32 if r.optimizer_state == "float32" else s
     state = 2 * state_size * p + (FP32 * p if master else 0)
-    if master:
-        return state, (FP32 - s) * p  # float32 gradients replace the low-precision ones, one tensor at a time
-    if r.device_type == "cuda":
-        return state, 0  # fused AdamW: no temporaries
-    return state, 3 * state_size * counts.largest_trainable  # per-tensor AdamW: sqrt(v), the quotient, ...
+    # fused AdamW on a GPU needs no temporaries; per-tensor AdamW (CPU) holds a few of the largest: sqrt(v), ...
+    temporaries = 0 if r.device_type == "cuda" else 3 * state_size * counts.largest_trainable
+    if master:  # float32 gradients replace the low-precision ones, one tensor at a time
+        return state, (FP32 - s) * p + temporaries
+    return state, temporaries
 
 
 def backward_peak(r: Recipe, cfg: LlamaConfig, counts, activations: int, held: int, saved: tuple) -> int:

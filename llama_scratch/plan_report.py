@@ -318,7 +318,7 @@ def plan_command(args, train_last: int | None, lora: LoRASettings | None = None)
     preset = model_ref in PRESETS and not Path(model_ref).exists() and not plans_from_scratch(model_ref)
     notes = []
     if args.max_length is None:
-        notes.append("no --max-length given: planned for 512 tokens (training pads each batch to its longest text)")
+        notes.append("no --max-length given: planned for 512 tokens a text (a batch holds at most batch size x that)")
     if preset:
         notes.append(
             f"--model {model_ref} alone trains the preset's random weights (all blocks by default); to train the real "

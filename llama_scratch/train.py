@@ -48,9 +48,10 @@ class TrainSettings:
     save_every: int = 50  # optimizer steps between resume checkpoints (also at every epoch end and on Ctrl-C)
     eval_batch_size: int | None = None  # None: 2 x batch_size
     padding_side: str = "packed"  # packed: no padding at all (packing.py, issue 19); "right"/"left" pad
-    # AdamW state: "param" keeps the moments in the parameters' dtype (bfloat16 parameters: 4 bytes a trained
-    # parameter); "float32" adds float32 master weights and float32 moments (12 bytes; see optim.py).
-    optimizer_state: str = "param"
+    # AdamW state. "float32": float32 master weights and moments for low-precision parameters (12 bytes a trained
+    # parameter; see optim.py), without which bfloat16 rounds most updates away. "param": moments in the parameters'
+    # dtype (4 bytes in bfloat16): a third of the memory, lossy. Both are the same on float32 parameters.
+    optimizer_state: str = "float32"
     patience: int | None = None  # stop after this many epochs without a better validation result (None: never)
     class_weights: list[float] | None = None  # per-class loss weights (see balanced_weights); None: all equal
 
