@@ -37,9 +37,7 @@ class TrainSettings:
     batch_size: int = 8  # rows per process per micro-batch
     grad_accum: int = 1
     lr: float = 2e-4  # for pretrained weights, which are only adjusted, gently
-    # For weights that start from nothing (LoRA adapters, whose B starts at zero; a model from scratch): measured on
-    # SMS, LoRA rank 8 in the last 2 blocks reaches 98.67% test at 1e-3 against 97.67% at 2e-4 (benchmarks/RESULTS.md).
-    lr_fresh: ClassVar[float] = 1e-3
+    lr_fresh: ClassVar[float] = 1e-3  # weights that start from nothing: LoRA (98.67% on SMS, 97.67% at 2e-4), scratch
     weight_decay: float = 0.1
     warmup: float = 0.1  # fraction of the steps spent ramping the learning rate up from zero
     schedule: str = "cosine"  # cosine | linear | constant (after the warm-up)
@@ -48,9 +46,8 @@ class TrainSettings:
     save_every: int = 50  # optimizer steps between resume checkpoints (also at every epoch end and on Ctrl-C)
     eval_batch_size: int | None = None  # None: 2 x batch_size
     padding_side: str = "packed"  # packed: no padding at all (packing.py, issue 19); "right"/"left" pad
-    # AdamW state. "float32": float32 master weights and moments for low-precision parameters (12 bytes a trained
-    # parameter; see optim.py), without which bfloat16 rounds most updates away. "param": moments in the parameters'
-    # dtype (4 bytes in bfloat16): a third of the memory, lossy. Both are the same on float32 parameters.
+    # "float32": float32 masters + moments for bf16 parameters (12 B a trained parameter; optim.py), else bf16 rounds
+    # most updates away; "param": moments in the parameters' dtype (4 B in bf16, lossy). Same on float32 weights.
     optimizer_state: str = "float32"
     patience: int | None = None  # stop after this many epochs without a better validation result (None: never)
     class_weights: list[float] | None = None  # per-class loss weights (see balanced_weights); None: all equal
@@ -72,8 +69,7 @@ class TrainState:
     best_val_loss: float = math.inf
     best_epoch: int = -1
     history: list[dict] = field(default_factory=list)
-    # The epoch so far, summed over all processes: training loss x rows, correct predictions, rows. Kept here (not
-    # in the loop) so that an epoch resumed midway still reports on all of its batches.
+    # The epoch so far over all processes (loss x rows, correct, rows): here so a resumed epoch reports all of it.
     epoch_sums: list[float] = field(default_factory=lambda: [0.0, 0.0, 0.0])
     train_seconds: float = 0.0
     train_tokens: int = 0
