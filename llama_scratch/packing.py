@@ -61,7 +61,7 @@ def pack(lengths: Sequence[int], device: torch.device | str | None = None) -> Pa
     longest, counts = max(lengths), torch.tensor(lengths)
     starts = counts.cumsum(0) - counts  # where each text begins in the stream
     text_of = torch.repeat_interleave(torch.arange(len(lengths)), counts)  # [N] which text each token is in
-    positions = torch.arange(int(counts.sum())) - starts[text_of]
+    positions = torch.arange(sum(lengths)) - starts[text_of]
     last_sees = torch.arange(longest) < counts[:, None]  # [texts, longest]
     return Packed(
         positions=positions.unsqueeze(0).to(device),

@@ -73,3 +73,53 @@ def test_an_interrupt_mid_step_then_resume_equals_one_run(tmp_path, monkeypatch)
     assert all(torch.equal(whole_weights[k], resumed_weights[k]) for k in whole_weights)
     assert resumed.history == whole.history
     assert (resumed.step, resumed.train_tokens) == (whole.step, whole.train_tokens)
+
+
+def host_reads(loop, split, monkeypatch) -> list[str]:
+    """The reads of tensor values on the host (the calls that wait for a GPU) during one epoch of `loop`, outside
+    the optimizer's own step (CPU AdamW reads its step counter; the GPU's fused AdamW does not)."""
+    counted, counting_on = [], [True]
+    real_step = loop.optimizer.step
+
+    def uncounted_step(*args, **kwargs):
+        counting_on[0] = False
+        try:
+            return real_step(*args, **kwargs)
+        finally:
+            counting_on[0] = True
+
+    def counting(real, name):
+        def read(self, *args, **kwargs):
+            if counting_on[0]:
+                counted.append(name)
+            return real(self, *args, **kwargs)
+
+        return read
+
+    with monkeypatch.context() as m:
+        m.setattr(loop.optimizer, "step", uncounted_step)
+        for name in ("item", "tolist", "__bool__", "__int__", "__float__", "__index__"):
+            m.setattr(torch.Tensor, name, counting(getattr(torch.Tensor, name), name))
+        from llama_scratch import train
+
+        assert train.train_epoch(loop, split, train.TrainState())
+    return counted
+
+
+def test_the_loop_reads_the_device_once_per_optimizer_step(monkeypatch):
+    """On a GPU every read of a device tensor on the host (`.item()`, `.tolist()`, `bool()`, `int()`, ...) waits
+    for the GPU. One epoch of 3 optimizer steps x 2 micro-batches, packed and right-padded: the loop reads once a
+    step (the summed loss, counts and gradient norm) plus once an epoch (the shuffled order), nothing per
+    micro-batch or in the forward."""
+    from llama_scratch import Llama, LlamaClassifier, LlamaConfig, train
+
+    ids = [[1 + (i * 7 + j) % 100 for j in range(4 + i % 5)] for i in range(12)]
+    split = Split(ids, [i % 2 for i in range(12)])
+    for side in ("packed", "right"):
+        settings = train.TrainSettings(epochs=1, batch_size=2, grad_accum=2, save_every=100, padding_side=side)
+        torch.manual_seed(0)
+        clf = LlamaClassifier(Llama(LlamaConfig.from_name("tiny")), num_classes=2, train_last=2)
+        optimizer = train.make_optimizer(clf, settings)
+        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0)
+        loop = train.Loop(clf, optimizer, scheduler, settings, Dist(), torch.device("cpu"), 3, None, {})
+        assert host_reads(loop, split, monkeypatch) == ["tolist"] * 4, side  # the order, then one a step
