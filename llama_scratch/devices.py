@@ -80,3 +80,12 @@ def choose_dtype(
         )
         return stored
     return torch.float32
+
+
+def make_deterministic() -> None:
+    """Bit-exact reruns and resumes on a GPU: deterministic kernels only (an error names any op without one),
+    cuBLAS with a fixed workspace, no cuDNN autotuning. Slower; CPU runs are deterministic already. Call before the
+    first CUDA work."""
+    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+    torch.use_deterministic_algorithms(True)
+    torch.backends.cudnn.benchmark = False

@@ -76,6 +76,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     g.add_argument("--cache-frozen", choices=["auto", "on", "off"], default="auto", help="compute the frozen "
                    "layers' output once, not every epoch (default: auto, when it fits in a quarter of memory and "
                    "half of what is free)")  # fmt: skip
+    g.add_argument("--deterministic", action="store_true", help="GPU: deterministic kernels only, so a rerun or "
+                   "--resume repeats the same weights bit for bit (slower; CPU runs always do)")  # fmt: skip
     g.add_argument("--gradient-checkpointing", action="store_true", help="keep only each trained block's input "
                    "and recompute the rest in backward: far less activation memory, ~1/3 more compute")  # fmt: skip
     g.add_argument("--optimizer-state", choices=["param", "float32"], default=d.optimizer_state, help="float32: "

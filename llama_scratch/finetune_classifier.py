@@ -23,7 +23,7 @@ from .batching import Split, default_max_length, encode_texts
 from .classifier import LlamaClassifier
 from .config import LlamaConfig
 from .data import DataWarning, LabelledTexts, load_dataset
-from .devices import choose_dtype
+from .devices import choose_dtype, make_deterministic
 from .distributed import Dist
 from .download import DownloadError
 from .evaluation import evaluate, per_class, warn_if_one_class
@@ -313,6 +313,8 @@ def main(argv: list[str] | None = None) -> int:
     # Before the first CUDA allocation: segments that grow in place instead of new blocks beside old ones, so a
     # long run's memory does not fragment past the plan (the user's own setting wins).
     os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
+    if args.deterministic:
+        make_deterministic()
     sigterm_as_ctrl_c()
     try:
         run(args)

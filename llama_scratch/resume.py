@@ -83,6 +83,8 @@ def write_point(path: Path, trained: dict[str, torch.Tensor], optimizer, schedul
         "optimizer": _encode(optimizer.state_dict(), tensors),
         "scheduler": _encode(scheduler.state_dict(), tensors),
         "rng": _encode(torch.get_rng_state(), tensors),
+        # The GPU's own generator (dropout on CUDA draws from it), for the device this process computes on.
+        "cuda_rng": _encode(torch.cuda.get_rng_state(), tensors) if torch.cuda.is_initialized() else None,
         **plain,
     }
     metadata = {"llama_scratch": json.dumps(record)}
@@ -120,5 +122,7 @@ def restore(record: dict, model: nn.Module, optimizer, scheduler, path: Path) ->
         optimizer.load_state_dict(record["optimizer"])
         scheduler.load_state_dict(record["scheduler"])
         torch.set_rng_state(record["rng"])
+        if record.get("cuda_rng") is not None and torch.cuda.is_available():
+            torch.cuda.set_rng_state(record["cuda_rng"])
     except (ValueError, KeyError, TypeError, RuntimeError) as e:
         raise ResumeError(f"{path}: the optimizer state does not fit this run: {e}") from None

@@ -2,6 +2,7 @@
 that still works after moving, one-line device errors. Each test failed on the version before these changes."""
 
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -239,3 +240,19 @@ def test_patience_stops_early_and_class_weights_weigh_the_rare_class(tmp_path):
     args = finetune_classifier.parse_args(["--class-weights", "balanced"])
     settings = finetune_classifier.recipe(args, False, labels, 2, Dist(), lambda *a: None)
     assert settings.class_weights == train.balanced_weights(labels, 2)
+
+
+def test_deterministic_flag_turns_on_deterministic_kernels(monkeypatch):
+    """--deterministic (for exact resume on CUDA) asks torch for deterministic kernels and fixes cuBLAS's
+    workspace before any CUDA work; the flag is parsed and applied by the command."""
+    from llama_scratch.finetune_args import parse_args
+
+    assert parse_args(["--deterministic"]).deterministic and not parse_args([]).deterministic
+    monkeypatch.delenv("CUBLAS_WORKSPACE_CONFIG", raising=False)
+    monkeypatch.setattr(finetune_classifier, "run", lambda args: None)
+    try:
+        assert finetune_classifier.main(["--deterministic"]) == 0
+        assert torch.are_deterministic_algorithms_enabled()
+        assert os.environ["CUBLAS_WORKSPACE_CONFIG"] == ":4096:8" and not torch.backends.cudnn.benchmark
+    finally:
+        torch.use_deterministic_algorithms(False)
