@@ -41,6 +41,11 @@ GiB = 2**30
 OPTIMIZER_STATES = ("param", "float32")  # see train.make_optimizer
 
 
+# Several GPUs: NCCL's own buffers and communicators, outside PyTorch's allocator (NVLS on an NVSwitch node such as
+# an 8-GPU H100 reserves about 2.25 GiB per GPU), so max_memory_allocated() never shows them.
+COLLECTIVES_RESERVE = GiB * 9 // 4
+
+
 def with_margin(n: int) -> int:
     """The GPU memory to ask for `n` bytes of tensors: 5% and 0.5 GiB more for the CUDA context and fragmentation."""
     return int(n * 1.05) + GiB // 2
@@ -173,9 +178,14 @@ class MemoryPlan:
     def peak_phase(self) -> str:
         return max(self.phases, key=self.phases.get)
 
+    @property
+    def collectives(self) -> int:
+        """NCCL's memory when several GPUs train together (none on CPU, or alone)."""
+        return COLLECTIVES_RESERVE if self.recipe.world_size > 1 and self.recipe.device_type == "cuda" else 0
+
     def required(self) -> int:
-        """The GPU memory to ask for: the peak plus room for the CUDA context and allocator fragmentation."""
-        return with_margin(self.peak)
+        """The GPU memory to ask for: the peak plus room for the CUDA context, allocator fragmentation and NCCL."""
+        return with_margin(self.peak) + self.collectives
 
     def fits(self, gpu_bytes: int) -> bool:
         return self.required() <= gpu_bytes

@@ -100,7 +100,8 @@ def format_plan(plan: MemoryPlan, gpu: tuple[str, int] | None = None) -> str:
         row(f"peak in {phase}", persistent + n, f"weights + state + {n / GiB:.2f} GiB{mark}")
     row("PEAK", plan.peak, "max_memory_allocated() should come out near this" if r.device_type == "cuda" else
         "bytes of live tensors (on CPU the allocator adds its own overhead)")  # fmt: skip
-    row("needed", plan.required(), "peak + 5% + 0.5 GiB (CUDA context, allocator fragmentation)")
+    nccl = f" + {plan.collectives / GiB:.2f} GiB (NCCL buffers, several GPUs)" if plan.collectives else ""
+    row("needed", plan.required(), f"peak + 5% + 0.5 GiB (CUDA context, allocator fragmentation){nccl}")
     return "\n".join(lines + verdict_lines(plan, gpu))
 
 

@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from llama_scratch import Llama, LlamaClassifier, LlamaConfig
 from llama_scratch import finetune_classifier as command
 from llama_scratch.lora import LoRASettings
-from llama_scratch.plan import Recipe, count_parameters, plan_memory
+from llama_scratch.plan import Recipe, count_parameters, plan_memory, with_margin
 from llama_scratch.plan_report import format_plan
 from llama_scratch.train import TrainSettings, make_optimizer
 
@@ -308,3 +308,15 @@ def test_model_flops_counts_trained_frozen_and_attention():
     flops = gpu_8b.model_flops(cfg, 1, b, seq)
     assert flops["done"] == pytest.approx(done, rel=1e-12) and flops["6PT"] == pytest.approx(convention, rel=1e-12)
     assert gpu_8b.peak_tflops("NVIDIA H100 80GB HBM3") == 989.4 and gpu_8b.peak_tflops("NVIDIA H100 PCIe") == 756.0
+
+
+def test_several_gpus_reserve_room_for_nccl(capsys):
+    """NCCL's buffers live outside PyTorch's allocator: the plan asks for 2.25 GiB more per GPU under DDP on CUDA,
+    and says so; one GPU, or a CPU, needs none."""
+    cfg = LlamaConfig.from_name("llama3-8b")
+    alone, ddp = (plan_memory(Recipe(cfg, 8, 128, train_last=2, world_size=n)) for n in (1, 8))
+    assert ddp.required() - with_margin(ddp.peak) == 9 * 2**30 // 4 and alone.required() == with_margin(alone.peak)
+    cpu = plan_memory(Recipe(cfg, 8, 128, train_last=2, world_size=8, device_type="cpu"))
+    assert cpu.required() == with_margin(cpu.peak)
+    assert "NCCL buffers" in format_plan(ddp, ("NVIDIA H100 80GB HBM3", 80 * 2**30))
+    assert "NCCL" not in format_plan(alone, ("NVIDIA H100 80GB HBM3", 80 * 2**30))
