@@ -129,6 +129,34 @@ def gather_objects(value) -> list:
     return everyone
 
 
+def on_each_node(make, env: Dist):
+    """`make()` (say, fetching the model) run by rank 0 first, then by the first process of every other node: on a
+    shared disk they find rank 0's result, on their own disks they make their own. Every process gets its node's
+    answer (torchrun numbers the processes of a node consecutively, so its first is rank - local_rank), or raises
+    its node's error: a process that failed alone would leave the others waiting in a collective for hours."""
+
+    def attempt(go: bool) -> tuple:
+        try:
+            return (make(), None) if go else (None, None)
+        except Exception as e:  # handed to every process, raised by each
+            return None, e
+
+    result, error = attempt(env.is_main)
+    if not env.enabled:
+        if error is not None:
+            raise error
+        return result
+    _, first_error = broadcast_object((None, error))
+    if first_error is not None:
+        raise first_error
+    if not env.is_main:
+        result, error = attempt(env.local_rank == 0)
+    result, error = gather_objects((result, error))[env.rank - env.local_rank]
+    if error is not None:
+        raise error
+    return result
+
+
 def smallest(value: int) -> int:
     """The smallest of every process's `value`, on every process: for a decision all must take alike (say, whether
     there is memory to spare), since a process that decides otherwise would wait in a collective the others skip."""

@@ -120,12 +120,13 @@ def read_data(args: argparse.Namespace, log) -> tuple[LabelledTexts, dict[str, L
 
 
 def choose_model(args: argparse.Namespace, env: Dist, device: torch.device, log) -> ModelChoice:
-    """The model reference made local (fetched, converted or found by rank 0 alone; the others take its answer),
+    """The model reference made local (fetched, converted or found by rank 0, then by each other node's first
+    process where that node cannot see rank 0's copy; the other processes take their node's answer),
     the dtype to compute in, and how much of it trains."""
     dtype = choose_dtype(args.dtype, device)  # a first answer, to size the default model by
-    ref = args.model or distributed.broadcast_object(default_model(device, dtype, log) if env.is_main else None)
+    ref = args.model or distributed.on_each_node(lambda: default_model(device, dtype, log), env)
     repo_id = ref if is_repo_id(ref) else None
-    ref = distributed.broadcast_object(local_checkpoint(ref, log) if env.is_main else None)
+    ref = distributed.on_each_node(lambda: local_checkpoint(ref, log), env)  # several nodes may share no disk
     if Path(ref).is_dir():  # a float32 copy that would not fit keeps the checkpoint's own dtype
         cfg = LlamaConfig.from_hf(ref)
         dtype = choose_dtype(args.dtype, device, cfg.dtype, count_parameters(cfg).backbone, log)

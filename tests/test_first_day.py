@@ -7,6 +7,7 @@ import shutil
 import subprocess
 import sys
 
+import pytest
 import torch
 
 from llama_scratch import Llama, LlamaConfig, classify, finetune_classifier
@@ -256,3 +257,35 @@ def test_deterministic_flag_turns_on_deterministic_kernels(monkeypatch):
         assert os.environ["CUBLAS_WORKSPACE_CONFIG"] == ":4096:8" and not torch.backends.cudnn.benchmark
     finally:
         torch.use_deterministic_algorithms(False)
+
+
+def test_each_node_makes_the_model_local_once(monkeypatch):
+    """Two nodes of two processes, no shared disk: rank 0 fetches first, then rank 2 (the first process of node 2)
+    fetches on its own disk; ranks 1 and 3 fetch nothing and take their node's path. An error on rank 0 reaches
+    every process, instead of leaving them waiting in a collective."""
+    from llama_scratch import distributed
+    from llama_scratch.distributed import Dist, on_each_node
+
+    node_paths = {0: "/node0/weights/m", 2: "/node2/weights/m"}
+    for rank in range(4):
+        env, made = Dist(rank=rank, local_rank=rank % 2, world_size=4), []
+
+        def make(rank=rank, made=made):
+            made.append(rank)
+            return node_paths[rank]
+
+        # What the collectives return: rank 0's outcome first, then every process's outcome in rank order.
+        monkeypatch.setattr(distributed, "broadcast_object", lambda obj: (node_paths[0], None))
+        outcomes = [(node_paths.get(r), None) for r in range(4)]
+        monkeypatch.setattr(distributed, "gather_objects", lambda obj, o=outcomes: o)
+        assert on_each_node(make, env) == node_paths[rank - rank % 2]
+        assert made == ([rank] if rank % 2 == 0 else [])
+
+    def fail():
+        raise FileNotFoundError("weights/m: no such file or directory")
+
+    monkeypatch.setattr(distributed, "broadcast_object", lambda obj: (None, FileNotFoundError("weights/m: gone")))
+    with pytest.raises(FileNotFoundError, match="gone"):
+        on_each_node(lambda: "never made", Dist(rank=3, local_rank=1, world_size=4))
+    with pytest.raises(FileNotFoundError, match="no such file"):
+        on_each_node(fail, Dist())
