@@ -40,7 +40,9 @@ import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+# Runnable from a fresh clone as `python benchmarks/gpu_8b.py`: this folder (for common.py) and the repository
+# (for llama_scratch, installed or not) are importable.
+sys.path[:0] = [str(Path(__file__).resolve().parent), str(Path(__file__).resolve().parents[1])]
 from common import write_random_checkpoint  # noqa: E402
 
 from llama_scratch import Llama, LlamaClassifier, LlamaConfig  # noqa: E402
