@@ -117,6 +117,7 @@ def _stream(files: list[Path], entries: dict, params: dict, aliases: dict, devic
             report: LoadReport) -> None:  # fmt: skip
     """Every tensor into its parameter, file by file in the order the bytes lie on disk, with a progress bar."""
     total = sum(e.nbytes for e in entries.values())
+    staging = Staging(max((e.nbytes for e in entries.values()), default=0), device)
     bar = tqdm(total=total, unit="B", unit_scale=True, unit_divisor=1024, desc="loading weights", disable=not show)
     with bar:
         for file in files:
@@ -124,10 +125,11 @@ def _stream(files: list[Path], entries: dict, params: dict, aliases: dict, devic
             mapped: list[torch.UntypedStorage] = []  # the whole file, mapped privately on first need
             with open(file, "rb", buffering=0) as fh:
                 for _, name in todo:
-                    _load_one(fh, entries[name], params[name], aliases, device, mapped if mmap else None)
+                    _load_one(fh, entries[name], params[name], aliases, device, mapped if mmap else None, staging)
                     report.loaded += 1
                     report.bytes += entries[name].nbytes
                     bar.update(entries[name].nbytes)
+    staging.finish()
 
 
 def _match(files: list[Path], params: dict, report: LoadReport) -> tuple[dict[str, TensorInfo], list[TensorInfo]]:
@@ -180,7 +182,44 @@ def _aliases(model: nn.Module) -> dict[int, list[tuple[nn.Module, str]]]:
     return found
 
 
-def _load_one(fh, e: TensorInfo, param: nn.Parameter, aliases: dict, device: torch.device | None, mapped) -> None:
+class Staging:
+    """Host memory that a tensor's bytes pass through on their way to a GPU: two pinned buffers (as large as the
+    largest tensor) used in turn, so that reading the next tensor from disk overlaps the copy of the last one, and
+    a buffer is refilled only once its copy has finished. Other targets get a fresh tensor each time."""
+
+    def __init__(self, nbytes: int, device: torch.device | None, event=None):
+        self.pinned = device is not None and device.type == "cuda"
+        self.event = event or (torch.cuda.Event if self.pinned else None)
+        pinned = [torch.empty(nbytes, dtype=torch.uint8, pin_memory=True) for _ in range(2 if self.pinned else 0)]
+        self.buffers: list[torch.Tensor] = pinned
+        self.copied: list = [None, None]  # the event recorded after each buffer's last copy
+        self.turn = 0
+
+    def take(self, e: TensorInfo) -> torch.Tensor:
+        """An empty tensor of `e`'s dtype and shape to read the bytes into."""
+        if not self.buffers:
+            return torch.empty(e.shape, dtype=e.dtype)
+        self.turn ^= 1
+        if self.copied[self.turn] is not None:
+            self.copied[self.turn].synchronize()  # its previous copy must be done before new bytes go in
+        return self.buffers[self.turn][: e.nbytes].view(e.dtype).view(e.shape)
+
+    def send(self, staged: torch.Tensor, dest: torch.Tensor) -> None:
+        """Copy `staged` (from `take`) into `dest`; from pinned memory without waiting for the copy to end."""
+        dest.copy_(staged, non_blocking=bool(self.buffers))
+        if self.buffers:
+            self.copied[self.turn] = self.event()
+            self.copied[self.turn].record()
+
+    def finish(self) -> None:
+        """Wait for the copies still under way: the weights are all on the device when loading returns."""
+        for done in self.copied:
+            if done is not None:
+                done.synchronize()
+
+
+def _load_one(fh, e: TensorInfo, param: nn.Parameter, aliases: dict, device: torch.device | None, mapped,
+              staging: Staging) -> None:  # fmt: skip
     target = device or (param.device if not param.is_meta else torch.device("cpu"))
     in_place = not param.is_meta and param.device == target and param.is_contiguous()
     # safetensors aligns each tensor's data to its dtype; a file from a writer that did not gets a copy instead
@@ -195,9 +234,9 @@ def _load_one(fh, e: TensorInfo, param: nn.Parameter, aliases: dict, device: tor
         if dest.device.type == "cpu" and dest.dtype == e.dtype:
             read_into(fh, e, dest)
         else:
-            staged = torch.empty(e.shape, dtype=e.dtype)
+            staged = staging.take(e)
             read_into(fh, e, staged)
-            dest.copy_(staged)
+            staging.send(staged, dest)
             del staged
     if not in_place:
         _put(param, dest, aliases)

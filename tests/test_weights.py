@@ -371,3 +371,39 @@ def test_download_gated_repo_explains_how_to_get_access(tmp_path, monkeypatch, c
     err = capsys.readouterr().err
     assert "meta-llama/Meta-Llama-3-8B is a gated repository" in err
     assert "https://huggingface.co/meta-llama/Meta-Llama-3-8B" in err and "HF_TOKEN" in err
+
+
+def test_gpu_staging_alternates_two_buffers_and_waits_before_refilling_one():
+    """The pinned double buffer of GPU loads, with its GPU parts stood in for (no GPU here): tensors go through the
+    two buffers in turn, a buffer is refilled only after the event of its previous copy completed, and the bytes
+    arrive intact in every dtype."""
+    from llama_scratch.checkpoint_files import TensorInfo
+    from llama_scratch.weights import Staging
+
+    log = []
+
+    class Event:  # torch.cuda.Event's part that Staging uses
+        def __init__(self):
+            self.n = len(log)
+
+        def record(self):
+            log.append(("record", self.n))
+
+        def synchronize(self):
+            log.append(("wait", self.n))
+
+    staging = Staging(64, torch.device("cpu"), event=Event)
+    staging.buffers = [torch.zeros(64, dtype=torch.uint8), torch.zeros(64, dtype=torch.uint8)]  # pinned on a GPU
+    sources = [torch.arange(6, dtype=torch.float32), torch.arange(8).bfloat16(), torch.ones(3, 2, dtype=torch.float16)]
+    used = []
+    for i, src in enumerate(sources):
+        e = TensorInfo(f"t{i}", Path("x"), src.dtype, tuple(src.shape), 0, src.numel() * src.element_size())
+        staged = staging.take(e)
+        used.append(staged.untyped_storage().data_ptr())
+        staged.copy_(src)  # what read_into does from the file
+        dest = torch.empty(src.shape, dtype=torch.float32)
+        staging.send(staged, dest)
+        assert torch.equal(dest, src.float())
+    staging.finish()
+    assert used[0] != used[1] and used[0] == used[2]
+    assert log[:2] == [("record", 0), ("record", 1)] and log[2] == ("wait", 0)  # third take waits for the first copy
