@@ -76,6 +76,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     g.add_argument("--cache-frozen", choices=["auto", "on", "off"], default="auto", help="compute the frozen "
                    "layers' output once, not every epoch (default: auto, when it fits in a quarter of memory and "
                    "half of what is free)")  # fmt: skip
+    g.add_argument("--compile", action="store_true", help="torch.compile every block's feed-forward and "
+                   "norms (slower on a 2-core CPU: see benchmarks/RESULTS.md; not yet measured on a GPU)")  # fmt: skip
     g.add_argument("--deterministic", action="store_true", help="GPU: deterministic kernels only, so a rerun or "
                    "--resume repeats the same weights bit for bit (slower; CPU runs always do)")  # fmt: skip
     g.add_argument("--gradient-checkpointing", action="store_true", help="keep only each trained block's input "

@@ -136,6 +136,15 @@ def choose_model(args: argparse.Namespace, env: Dist, device: torch.device, log)
     return ModelChoice(ref, repo_id, dtype, from_scratch, train_last, lora_settings(args, from_scratch))
 
 
+def compile_token_wise(clf: LlamaClassifier) -> None:
+    """--compile: torch.compile (dynamic shapes) each block's feed-forward and norms, the work done token by token.
+    Attention stays eager: a packed batch's lengths would recompile it for every batch. Off by default: on a 2-core
+    CPU it was slower even before the compile time (benchmarks/RESULTS.md)."""
+    for block in clf.backbone.blocks:
+        for module in (block.ffn, block.attention_norm, block.ffn_norm):
+            module.compile(dynamic=True)
+
+
 def lora_settings(args: argparse.Namespace, from_scratch: bool) -> LoRASettings | None:
     """The --lora flags as settings (None without --lora). Random weights have nothing worth adapting."""
     given = [f for f in ("lora_alpha", "lora_dropout", "lora_targets") if getattr(args, f) is not None]
@@ -206,6 +215,8 @@ def run(args: argparse.Namespace) -> dict:
         f"{choice.dtype}")  # fmt: skip
     if use_cache(args.cache_frozen, clf, {k: v.ids for k, v in splits.items()}, device, env, log):
         splits = cache_splits(clf, splits, settings.eval_rows, env)
+    if args.compile:
+        compile_token_wise(clf)
     model = distributed.wrap(clf, env, device)
     start_output(out, args.resume, args.output is None, env)
     save = functools.partial(save_classifier, clf, choice.from_scratch)

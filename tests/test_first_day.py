@@ -289,3 +289,19 @@ def test_each_node_makes_the_model_local_once(monkeypatch):
         on_each_node(lambda: "never made", Dist(rank=3, local_rank=1, world_size=4))
     with pytest.raises(FileNotFoundError, match="no such file"):
         on_each_node(fail, Dist())
+
+
+def test_compile_flag_compiles_the_token_wise_modules():
+    """--compile wraps every block's feed-forward and norms in torch.compile (attention stays eager); nothing is
+    compiled without it. (Compiling itself takes tens of seconds here, so the test stops before the first call.)"""
+    from llama_scratch import LlamaClassifier
+    from llama_scratch.finetune_args import parse_args
+    from llama_scratch.finetune_classifier import compile_token_wise
+
+    assert parse_args(["--compile"]).compile and not parse_args([]).compile
+    clf = LlamaClassifier(Llama(LlamaConfig.from_name("tiny")), num_classes=2)
+    assert all(block.ffn._compiled_call_impl is None for block in clf.backbone.blocks)
+    compile_token_wise(clf)
+    for block in clf.backbone.blocks:
+        assert all(m._compiled_call_impl is not None for m in (block.ffn, block.attention_norm, block.ffn_norm))
+        assert block.attention._compiled_call_impl is None
