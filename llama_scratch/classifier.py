@@ -35,6 +35,15 @@ def last_real_token(hidden: torch.Tensor, attention_mask: torch.Tensor | None) -
     return hidden[torch.arange(hidden.shape[0], device=hidden.device), last]
 
 
+def new_head(dim: int, num_classes: int, dtype: torch.dtype, device: torch.device | str) -> nn.Linear:
+    """The head, small normal weights (std 0.02). The one place it is drawn: a sharded run draws it on the CPU
+    and keeps its rows (sharding.fresh_values), from the same generator in the same order as a single process."""
+    head = nn.Linear(dim, num_classes, bias=False, dtype=dtype, device=device)
+    if not head.weight.is_meta:
+        nn.init.normal_(head.weight, std=0.02)
+    return head
+
+
 class LlamaClassifier(nn.Module):
     """`Llama` + `head`, a linear map from the model width to `num_classes` scores.
 
@@ -53,9 +62,7 @@ class LlamaClassifier(nn.Module):
             raise ValueError(f"num_classes must be at least 2, got {num_classes}")
         self.backbone = backbone
         like = backbone.final_norm.weight
-        self.head = nn.Linear(backbone.cfg.dim, num_classes, bias=False, dtype=like.dtype, device=like.device)
-        if not like.is_meta:
-            nn.init.normal_(self.head.weight, std=0.02)
+        self.head = new_head(backbone.cfg.dim, num_classes, like.dtype, like.device)
         self.lora, self.lora_blocks = lora, []
         if lora is not None:  # the adapters are placed once, in the blocks that train
             self.lora_blocks = add_lora(backbone, lora, blocks=self.trained_blocks(train_last))

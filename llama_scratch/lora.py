@@ -77,6 +77,14 @@ def parse_targets(targets: str | Iterable[str]) -> tuple[str, ...]:
     return tuple(t for t in TARGETS if t in names)
 
 
+def new_adapters(rank: int, n_in: int, n_out: int, dtype: torch.dtype, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """A [rank, in] drawn Kaiming-uniform (PEFT's initialisation, nn.Linear's default) and B [out, rank] zero.
+    The one place they are drawn (a sharded run draws them on the CPU: sharding.fresh_values)."""
+    a = torch.empty(rank, n_in, dtype=dtype, device=device)
+    nn.init.kaiming_uniform_(a, a=math.sqrt(5))
+    return a, torch.zeros(n_out, rank, dtype=dtype, device=device)
+
+
 class LoRALinear(nn.Linear):
     """A frozen `nn.Linear` plus a trainable low-rank change: h = W x + b + scale * B A dropout(x).
 
@@ -92,10 +100,8 @@ class LoRALinear(nn.Linear):
         self.weight.requires_grad_(False)
         if self.bias is not None:
             self.bias.requires_grad_(False)
-        like = {"device": base.weight.device, "dtype": base.weight.dtype}
-        self.lora_a = nn.Parameter(torch.empty(rank, self.in_features, **like))
-        self.lora_b = nn.Parameter(torch.zeros(self.out_features, rank, **like))
-        nn.init.kaiming_uniform_(self.lora_a, a=math.sqrt(5))  # PEFT's initialisation (nn.Linear's default)
+        a, b = new_adapters(rank, self.in_features, self.out_features, base.weight.dtype, base.weight.device)
+        self.lora_a, self.lora_b = nn.Parameter(a), nn.Parameter(b)
         self.rank, self.alpha, self.scale = rank, alpha, alpha / rank
         self.dropout = nn.Dropout(dropout) if dropout > 0 else nn.Identity()
 

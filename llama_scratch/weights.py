@@ -87,7 +87,7 @@ def load_weights(
     files = find_checkpoint_files(path)
     report = LoadReport(files=files)
     params = dict(model.named_parameters())  # a tied lm_head.weight is not listed: it is embed_tokens.weight
-    entries, unexpected = _match(files, params, report)
+    entries, unexpected = match_tensors(files, params, report)
     tied_head = entries.pop("lm_head.weight", None) if "lm_head.weight" not in params else None
     missing = [n for n in params if n not in entries]
     wrong = [n for n, e in entries.items() if tuple(params[n].shape) != e.shape]
@@ -132,7 +132,9 @@ def _stream(files: list[Path], entries: dict, params: dict, aliases: dict, devic
     staging.finish()
 
 
-def _match(files: list[Path], params: dict, report: LoadReport) -> tuple[dict[str, TensorInfo], list[TensorInfo]]:
+def match_tensors(
+    files: list[Path], params: dict, report: LoadReport
+) -> tuple[dict[str, TensorInfo], list[TensorInfo]]:
     """Map every tensor in the files to a parameter name; set aside the ignorable and the unknown."""
     entries: dict[str, TensorInfo] = {}
     unexpected = []

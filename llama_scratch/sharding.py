@@ -1,0 +1,202 @@
+"""Sharded training (FSDP2, `--shard`): each of N processes holds 1/N of every parameter, gradient and optimizer
+moment, so a model N times larger than one GPU can train.
+
+DistributedDataParallel (distributed.py) keeps a whole replica in every process. FSDP2 (`fully_shard`) keeps
+only rows: parameter p of shape [n, ...] becomes a DTensor whose local part on process r is rows
+[r * ceil(n / N), (r + 1) * ceil(n / N)) (the last process may hold fewer, or none). Around each block's forward
+and backward it all-gathers the block's full parameters, runs it, and frees them again; after backward it
+reduce-scatters the gradients, so each process keeps the gradient rows of its own parameter rows. The optimizer
+steps local rows only. At any moment a process holds its shards plus one or two blocks in full.
+
+This module shards a classifier, loads a checkpoint straight into the shards (each process reads only its own
+rows of each tensor from the files), and moves tensors between the sharded and the full form one at a time:
+to save the trained parameters on rank 0, to read the best weights back, and to resume.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch.distributed.tensor import DTensor, Shard
+from tqdm.auto import tqdm
+
+from .checkpoint_files import TensorInfo, find_checkpoint_files, read_into
+from .classifier import LlamaClassifier, new_head
+from .distributed import Dist
+from .lora import lora_layers, new_adapters
+from .weights import CheckpointError, LoadReport, match_tensors
+
+
+def make_mesh(env: Dist, device: torch.device, shard_group: int | None = None) -> DeviceMesh:
+    """The processes as a device mesh: one dimension ("shard") of all N, or with `shard_group` G a 2-D mesh of
+    N / G replicas x G shards (hybrid sharding: shards within a node of G GPUs over its fast links, replicas across
+    nodes, whose links only carry the gradient all-reduce)."""
+    if shard_group is None or shard_group == env.world_size:
+        return init_device_mesh(device.type, (env.world_size,), mesh_dim_names=("shard",))
+    if shard_group < 1 or env.world_size % shard_group:
+        raise ValueError(f"--shard-group {shard_group} must divide the number of processes ({env.world_size})")
+    shape = (env.world_size // shard_group, shard_group)
+    return init_device_mesh(device.type, shape, mesh_dim_names=("replicate", "shard"))
+
+
+def shard_model(clf: LlamaClassifier, mesh: DeviceMesh, reduce_dtype: torch.dtype = torch.float32) -> None:
+    """`fully_shard` every block, then the root (embedding, final norm, head): each block's parameters are
+    gathered for its own forward and backward only.
+
+    Mixed precision: parameters stay in the dtype they were loaded in (bfloat16 on a GPU) and compute in it; the
+    gradients are reduced in `reduce_dtype` (float32: a sum of N bfloat16 gradients would lose the small ones),
+    then kept in the parameter's dtype, where the optimizer's float32 masters (optim.py) pick them up.
+    """
+    policy = MixedPrecisionPolicy(param_dtype=None, reduce_dtype=reduce_dtype)
+    for block in clf.backbone.blocks:
+        fully_shard(block, mesh=mesh, mp_policy=policy)
+    fully_shard(clf, mesh=mesh, mp_policy=policy)
+
+
+def is_sharded(model: nn.Module) -> bool:
+    return any(isinstance(p, DTensor) for p in model.parameters())
+
+
+def local_rows(t: torch.Tensor) -> tuple[int, int]:
+    """The rows [start, stop) of the full tensor that this process holds (all of them for a plain tensor)."""
+    n = t.shape[0]
+    if not isinstance(t, DTensor):
+        return 0, n
+    start, stop = 0, n
+    for dim, placement in enumerate(t.placements):
+        if isinstance(placement, Shard):
+            if placement.dim != 0:
+                raise ValueError(f"only row sharding is supported, got {t.placements}")
+            size = math.ceil((stop - start) / t.device_mesh.size(dim))
+            start = min(start + t.device_mesh.get_local_rank(dim) * size, stop)
+            stop = min(start + size, stop)
+    return start, stop
+
+
+def local(t: torch.Tensor) -> torch.Tensor:
+    """This process's part of `t`: its rows for a DTensor, `t` itself otherwise."""
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+@torch.no_grad()
+def set_from_full(t: torch.Tensor, full: torch.Tensor) -> None:
+    """Copy this process's rows of `full` into the (sharded or plain) tensor `t`."""
+    start, stop = local_rows(t)
+    local(t).copy_(full[start:stop])
+
+
+def fresh_values(clf: LlamaClassifier) -> dict[str, torch.Tensor]:
+    """The head and the LoRA adapters (what no checkpoint holds), drawn on the CPU in full exactly as
+    LlamaClassifier and LoRALinear draw them on a loaded backbone, in the same order from the same generator: a
+    sharded run starts from the weights a single process starts from (tests/test_sharding.py asserts it)."""
+    cfg, head = clf.backbone.cfg, clf.head
+    values = {"head.weight": new_head(cfg.dim, head.out_features, head.weight.dtype, "cpu").weight.detach()}
+    names = {id(m): name for name, m in clf.named_modules()}
+    for layer in lora_layers(clf):
+        a, b = new_adapters(layer.rank, layer.in_features, layer.out_features, layer.lora_a.dtype, "cpu")
+        values[f"{names[id(layer)]}.lora_a"], values[f"{names[id(layer)]}.lora_b"] = a, b
+    return values
+
+
+def row_slice(e: TensorInfo, start: int, stop: int) -> TensorInfo:
+    """The rows [start, stop) of a stored tensor: row-major, so they are one contiguous run of bytes."""
+    row_bytes = e.nbytes // max(e.shape[0], 1)
+    shape = (stop - start, *e.shape[1:])
+    return TensorInfo(e.name, e.file, e.dtype, shape, e.offset + start * row_bytes, (stop - start) * row_bytes)
+
+
+def load_sharded(clf: LlamaClassifier, path, device: torch.device, fresh: dict[str, torch.Tensor],
+                 progress: bool = True) -> LoadReport:  # fmt: skip
+    """Fill a sharded classifier built on the meta device: each process reads from the checkpoint files only its
+    own rows of each tensor, one tensor at a time, straight into its shard on `device` (peak memory: its shards
+    plus one tensor's rows). Parameters no checkpoint holds come from `fresh` (see `fresh_values`)."""
+    started = time.perf_counter()
+    files = find_checkpoint_files(path)
+    report = LoadReport(files=files)
+    params = dict(clf.named_parameters())
+    backbone = {n.removeprefix("backbone."): p for n, p in params.items() if n.startswith("backbone.")}
+    in_files = {n: p for n, p in backbone.items() if f"backbone.{n}" not in fresh}
+    entries, unexpected = match_tensors(files, in_files, report)
+    entries.pop("lm_head.weight", None) if "lm_head.weight" not in in_files else None
+    missing = [n for n in in_files if n not in entries] + [n for n in params if n not in fresh and
+                                                            not n.startswith("backbone.")]  # fmt: skip
+    wrong = [n for n, e in entries.items() if tuple(in_files[n].shape) != e.shape]
+    if missing or unexpected or wrong:
+        problems = [f"missing {', '.join(missing)}" if missing else "", f"unexpected {len(unexpected)} tensors"
+                    if unexpected else "", f"wrong shapes {', '.join(wrong)}" if wrong else ""]  # fmt: skip
+        raise CheckpointError(f"{path}: " + "; ".join(p for p in problems if p))
+    clf.to_empty(device=device)  # this process's shards, uninitialised; the rotary tables are recomputed
+    for name, value in fresh.items():
+        set_from_full(params[name], value)
+    total = sum(e.nbytes for e in entries.values())
+    with tqdm(total=total, unit="B", unit_scale=True, desc="loading my shards", disable=not progress) as bar:
+        for name, e in sorted(entries.items(), key=lambda kv: (str(kv[1].file), kv[1].offset)):
+            start, stop = local_rows(in_files[name])
+            part = torch.empty((stop - start, *e.shape[1:]), dtype=e.dtype)
+            with open(e.file, "rb", buffering=0) as fh:
+                read_into(fh, row_slice(e, start, stop), part)
+            with torch.no_grad():
+                local(in_files[name]).copy_(part)
+            report.loaded += 1
+            report.bytes += part.nbytes
+            bar.update(e.nbytes)
+    report.seconds = time.perf_counter() - started
+    return report
+
+
+def resident_bytes(model: nn.Module) -> int:
+    """Bytes of parameters this process holds (its shards under FSDP)."""
+    return sum(local(p).numel() * p.element_size() for p in model.parameters())
+
+
+def full_tensor(t: torch.Tensor) -> torch.Tensor:
+    """The whole tensor, gathered from every process's rows (a collective: every process must call it)."""
+    return t.full_tensor() if isinstance(t, DTensor) else t
+
+
+def gathered(named: dict[str, torch.Tensor], env: Dist):
+    """(name, whole tensor on the CPU) one at a time, in order: on rank 0 the tensor, elsewhere None. Every process
+    takes part in each gather; only one whole tensor exists at a time."""
+    for name, t in named.items():
+        whole = full_tensor(t.detach())
+        yield name, (whole.cpu() if env.is_main else None)
+        del whole
+
+
+def scatter_from_main(named: dict[str, torch.Tensor], source: dict[str, torch.Tensor] | None, env: Dist) -> None:
+    """Set each tensor of `named` (sharded or not) to rank 0's `source` tensor of that name: rank 0 sends each
+    whole tensor in turn, every process keeps its rows. How the best weights reach every process without a shared
+    disk."""
+    for name, t in named.items():
+        start, stop = local_rows(t)
+        whole = source[name].to(t.device, t.dtype) if env.is_main else torch.empty(t.shape, dtype=t.dtype,
+                                                                                    device=local(t).device)  # fmt: skip
+        if env.enabled:
+            dist.broadcast(whole, src=0)
+        with torch.no_grad():
+            local(t).copy_(whole[start:stop])
+        del whole
+
+
+def to_local_state(value):
+    """A state (nested dicts, lists) with every DTensor replaced by this process's part: what a process saves."""
+    if isinstance(value, DTensor):
+        return value.to_local()
+    if isinstance(value, dict):
+        return {k: to_local_state(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return type(value)(to_local_state(v) for v in value)
+    return value
+
+
+def like_param(value: torch.Tensor, param: torch.Tensor) -> torch.Tensor:
+    """A saved local part made a DTensor again, sharded like `param` (plain tensors and scalars pass through)."""
+    if not isinstance(param, DTensor) or isinstance(value, DTensor) or value.shape != local(param).shape:
+        return value
+    return DTensor.from_local(value, param.device_mesh, param.placements, shape=param.shape, stride=param.stride())
