@@ -7,6 +7,7 @@ replicas take the same step. A single process (WORLD_SIZE unset) runs the same c
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import os
 from dataclasses import dataclass
@@ -106,6 +107,29 @@ def wrap(model: nn.Module, env: Dist, device: torch.device) -> nn.Module:
     accepted = inspect.signature(DistributedDataParallel).parameters
     no_buffer_sync = {"forward_sync_buffers" if "forward_sync_buffers" in accepted else "broadcast_buffers": False}
     return DistributedDataParallel(model, device_ids=device_ids, gradient_as_bucket_view=True, **no_buffer_sync)
+
+
+def is_replicated(model: nn.Module) -> bool:
+    """Wrapped in DDP: every process holds the whole model, gradients live in DDP's all-reduce buckets."""
+    return isinstance(model, DistributedDataParallel)
+
+
+@contextlib.contextmanager
+def gradient_sync(model: nn.Module, sync: bool):
+    """Gradients combined across processes after this backward (`sync`), or only accumulated locally: the
+    micro-batches of a step before its last. DDP: `no_sync`. FSDP2 (sharding.py): the unsharded gradients are
+    kept and reduce-scattered after the last one. One process: nothing to combine."""
+    if sync or not dist.is_initialized():
+        yield
+    elif is_replicated(model):
+        with model.no_sync():
+            yield
+    else:
+        model.set_requires_gradient_sync(False)
+        try:
+            yield
+        finally:
+            model.set_requires_gradient_sync(True)
 
 
 def unwrap(model: nn.Module) -> nn.Module:

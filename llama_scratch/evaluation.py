@@ -10,7 +10,7 @@ import torch.nn.functional as F
 from torch import nn
 from tqdm.auto import tqdm
 
-from . import distributed
+from . import distributed, sharding
 from .batching import Split, forward, length_sorted_batches, to_batch
 from .distributed import Dist
 
@@ -22,8 +22,18 @@ class EvalSettings(Protocol):
     padding_side: str
 
 
-@torch.inference_mode()
 def evaluate(model: nn.Module, split: Split, s: EvalSettings, env: Dist, device, desc: str) -> dict:
+    """See `_evaluate`. Sharded: under no_grad, not inference_mode, whose tensors FSDP2 could not free after."""
+    if not sharding.is_sharded(model):
+        with torch.inference_mode():
+            return _evaluate(model, split, s, env, device, desc)
+    with torch.no_grad():
+        result = _evaluate(model, split, s, env, device, desc)
+    sharding.reshard(model)
+    return result
+
+
+def _evaluate(model: nn.Module, split: Split, s: EvalSettings, env: Dist, device, desc: str) -> dict:
     """Loss, accuracy and confusion matrix over a whole split, shared out across processes.
 
     Each process takes every N-th row (no padding rows, unlike `DistributedSampler`), so summing the counts
@@ -36,9 +46,14 @@ def evaluate(model: nn.Module, split: Split, s: EvalSettings, env: Dist, device,
     batches = length_sorted_batches([len(x) for x in split.ids], s.eval_rows, env.rank, env.world_size)
     loss_sum = torch.zeros((), dtype=torch.float64, device=device)
     confusion = torch.zeros(num_classes, num_classes, dtype=torch.float64, device=device)  # [true, predicted]
-    for rows in tqdm(batches, desc, leave=False, disable=not env.is_main):
+    # Sharded, every process runs every forward (its blocks are gathered from everyone): one with fewer batches
+    # runs a one-row batch more whose result it drops.
+    extra = max(distributed.gather_objects(len(batches))) - len(batches) if sharding.is_sharded(model) else 0
+    for k, rows in enumerate(tqdm(batches + [[0]] * extra, desc, leave=False, disable=not env.is_main)):
         batch = to_batch(split, rows, s.padding_side, device)
         logits = forward(model, batch).float()
+        if k >= len(batches):
+            continue
         loss_sum += F.cross_entropy(logits, batch["labels"], reduction="sum").double()
         flat = batch["labels"] * num_classes + logits.argmax(-1)
         confusion += torch.bincount(flat, minlength=num_classes**2).view(num_classes, num_classes).double()

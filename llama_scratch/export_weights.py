@@ -189,10 +189,11 @@ def shard(planned: list[Planned], dtype: torch.dtype, max_shard_bytes: int) -> l
     return shards
 
 
-def write_safetensors(path: Path, items: list[Planned], dtype: torch.dtype,
-                      make: Callable[[Planned], torch.Tensor]) -> None:  # fmt: skip
-    """A safetensors file whose header is written from the plan, then each tensor as `make` produces it."""
-    header: dict[str, object] = {"__metadata__": {"format": "pt"}}
+def write_safetensors(path: Path, items: list[Planned], dtype: torch.dtype, make: Callable[[Planned], torch.Tensor],
+                      metadata: dict[str, str] | None = None) -> None:  # fmt: skip
+    """A safetensors file whose header is written from the plan (anything with a name and a shape), then each
+    tensor as `make` produces it: one tensor in memory at a time (sharding.save_gathered writes this way too)."""
+    header: dict[str, object] = {"__metadata__": {"format": "pt", **(metadata or {})}}
     offset = 0
     for p in items:
         nbytes = math.prod(p.shape) * dtype.itemsize

@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file
 
-from . import distributed
+from . import distributed, sharding
 from .batching import Split, default_max_length, encode_texts
 from .classifier import LlamaClassifier
 from .config import LlamaConfig
@@ -30,11 +30,19 @@ from .evaluation import evaluate, per_class, warn_if_one_class
 from .finetune_args import parse_args
 from .interrupts import sigterm_as_ctrl_c
 from .lora import TARGETS, LoRASettings
-from .model import Llama
 from .plan import count_parameters
 from .plan_report import plan_command, plans_from_scratch
 from .prefix_cache import cache_splits, use_cache
-from .run_dir import BEST_FILE, base_model_record, check_output, default_output, start_output, write_results
+from .run_dir import (
+    BEST_FILE,
+    RESULT_WEIGHTS,
+    base_model_record,
+    check_output,
+    default_output,
+    new_run_id,
+    start_output,
+    write_results,
+)
 from .sources import (
     chosen_train_last,
     default_model,
@@ -107,6 +115,11 @@ class Job:
     choice: ModelChoice
     out: Path
 
+    @property
+    def sharded(self) -> bool:
+        """--shard with several processes (alone there is nothing to share out)."""
+        return self.args.shard and self.env.enabled
+
 
 def read_data(args: argparse.Namespace, log) -> tuple[LabelledTexts, dict[str, LabelledTexts], str]:
     """The labelled texts and their train/val/test split."""
@@ -158,11 +171,19 @@ def lora_settings(args: argparse.Namespace, from_scratch: bool) -> LoRASettings 
     return LoRASettings(args.lora, args.lora_alpha, args.lora_dropout or 0.0, targets)
 
 
-def load_backbone(
-    choice: ModelChoice, args: argparse.Namespace, env: Dist, device, log
-) -> tuple[Llama, Tokenizer, str]:
-    """The backbone streamed onto the device, and the tokenizer that belongs to it."""
-    backbone = load_model(choice.ref, device=device, dtype=choice.dtype, progress=env.is_main)
+def build_classifier(job: Job, log) -> tuple[LlamaClassifier, Tokenizer, str]:
+    """The classifier with its backbone streamed onto the device (under --shard, each process's rows of it), and
+    the tokenizer that belongs to it."""
+    choice, args, env, device = job.choice, job.args, job.env, job.device
+    n = job.data.num_classes
+    if job.sharded:
+        mesh = sharding.make_mesh(env, device, args.shard_group)
+        clf = sharding.sharded_classifier(choice.ref, choice.dtype, n, choice.train_last, choice.lora, mesh, device,
+                                          progress=env.is_main)  # fmt: skip
+    else:
+        backbone = load_model(choice.ref, device=device, dtype=choice.dtype, progress=env.is_main)
+        clf = LlamaClassifier(backbone, num_classes=n, train_last=choice.train_last, lora=choice.lora)
+    backbone = clf.backbone
     backbone.gradient_checkpointing = args.gradient_checkpointing
     tokenizer, tokenizer_ref = resolve_tokenizer(choice.ref, backbone.cfg, log)
     if tokenizer.n_words > backbone.cfg.vocab_size:
@@ -170,7 +191,7 @@ def load_backbone(
             f"the tokenizer has {tokenizer.n_words:,} tokens but {choice.ref} embeds only "
             f"{backbone.cfg.vocab_size:,}: they do not belong together (is the checkpoint's tokenizer file missing?)"
         )
-    return backbone, tokenizer, tokenizer_ref
+    return clf, tokenizer, tokenizer_ref
 
 
 def tokenize(parts: dict[str, LabelledTexts], tokenizer: Tokenizer, context: int, max_length: int | None,
@@ -206,26 +227,28 @@ def run(args: argparse.Namespace) -> dict:
     log(f"output: {out}/")
     check_output(out, args.resume, args.overwrite)  # before anything is loaded or written
     job = Job(args, env, device, started, data, parts, protocol, choice, out)
-    backbone, tokenizer, tokenizer_ref = load_backbone(choice, args, env, device, log)
-    splits, max_length = tokenize(parts, tokenizer, backbone.cfg.max_seq_len, args.max_length, log)
+    clf, tokenizer, tokenizer_ref = build_classifier(job, log)
+    splits, max_length = tokenize(parts, tokenizer, clf.backbone.cfg.max_seq_len, args.max_length, log)
     settings = recipe(args, choice.from_scratch, parts["train"].labels, data.num_classes, env, log)
-    clf = LlamaClassifier(backbone, num_classes=data.num_classes, train_last=choice.train_last, lora=choice.lora)
     n_train = sum(p.numel() for p in clf.trainable_parameters().values())
     log(f"training {n_train:,} of {sum(p.numel() for p in clf.parameters()):,} parameters on {device} in "
-        f"{choice.dtype}")  # fmt: skip
-    if use_cache(args.cache_frozen, clf, {k: v.ids for k, v in splits.items()}, device, env, log):
+        f"{choice.dtype}" + (f", sharded across {env.world_size} processes" if job.sharded else ""))  # fmt: skip
+    cache = "off" if job.sharded else args.cache_frozen  # each process holds only rows of the frozen blocks
+    if use_cache(cache, clf, {k: v.ids for k, v in splits.items()}, device, env, log):
         splits = cache_splits(clf, splits, settings.eval_rows, env)
     if args.compile:
         compile_token_wise(clf)
-    model = distributed.wrap(clf, env, device)
+    model = clf if job.sharded else distributed.wrap(clf, env, device)
     start_output(out, args.resume, args.output is None, env)
-    save = functools.partial(save_classifier, clf, choice.from_scratch)
+    save = functools.partial(save_classifier, clf, choice.from_scratch, env)
     state = train(model, splits, settings, env, device, out, args.resume,
                   lambda epoch: save(out / BEST_FILE), log, run_identity=run_identity(job, max_length))  # fmt: skip
     metrics = final_metrics(job, model, clf, splits, settings, state)
+    run_id = distributed.broadcast_object(new_run_id())
+    save(out / RESULT_WEIGHTS, {"run_id": run_id})  # every process: a sharded model is gathered tensor by tensor
     if env.is_main:
         meta = classifier_meta(job, clf, tokenizer_ref, max_length, settings)
-        write_results(out, save, metrics, meta, state.history)
+        write_results(out, run_id, metrics, meta, state.history)
         warn_if_one_class(metrics["val_accuracy"], parts["val"].labels, log)
         log(
             f"test accuracy {metrics['test_accuracy']:.2%} (val {metrics['val_accuracy']:.2%}, train "
@@ -276,23 +299,31 @@ def run_identity(job: Job, max_length: int) -> dict:
     }
 
 
-def save_classifier(clf: LlamaClassifier, from_scratch: bool, path: Path, metadata: dict | None = None) -> None:
-    """Trained parameters only, unless the backbone came from random weights (then nothing else holds it)."""
+def save_classifier(clf: LlamaClassifier, from_scratch: bool, env: Dist, path: Path, metadata: dict | None = None
+                    ) -> None:  # fmt: skip
+    """Trained parameters only, unless the backbone came from random weights (then nothing else holds it). Called
+    by every process: a sharded model is gathered one tensor at a time, and rank 0 writes."""
     state = clf.state_dict() if from_scratch else clf.trainable_parameters()
-    save_weights({k: v.detach() for k, v in state.items()}, path, metadata)
+    if sharding.is_sharded(clf):
+        sharding.save_gathered(state, path, env, metadata)
+    elif env.is_main:
+        save_weights({k: v.detach() for k, v in state.items()}, path, metadata)
 
 
 def final_metrics(job: Job, model, clf: LlamaClassifier, splits: dict[str, Split], settings: TrainSettings,
                   state) -> dict:  # fmt: skip
     """Every split evaluated with the best weights (by validation accuracy), and the run's figures."""
-    best = job.out / BEST_FILE
-    if job.env.is_main:
-        if not best.exists():  # no epoch ended here (resumed after the last one)
-            save_classifier(clf, job.choice.from_scratch, best)
-        copy_named_tensors(clf, load_file(best, device=str(job.device)), str(best))
+    best, env = job.out / BEST_FILE, job.env
+    if distributed.broadcast_object(not best.exists() if env.is_main else None):  # no epoch ended here (resumed
+        save_classifier(clf, job.choice.from_scratch, env, best)  # after the last one)
     # The other processes receive rank 0's best weights: they may not see its files (several nodes, no shared disk).
-    saved = clf.named_parameters() if job.choice.from_scratch else clf.trainable_parameters().items()
-    distributed.broadcast_parameters([p for _, p in saved])
+    saved = dict(clf.named_parameters()) if job.choice.from_scratch else clf.trainable_parameters()
+    if job.sharded:
+        sharding.read_from_main(saved, best, env)
+    else:
+        if env.is_main:
+            copy_named_tensors(clf, load_file(best, device=str(job.device)), str(best))
+        distributed.broadcast_parameters(list(saved.values()))
     data, choice = job.data, job.choice
     results = {
         k: evaluate(model, splits[k], settings, job.env, job.device, f"final {k}") for k in ("train", "val", "test")

@@ -42,6 +42,8 @@ class ResumeError(ValueError):
 def _encode(value, tensors: dict[str, torch.Tensor]):
     """JSON for `value`, with each tensor replaced by a reference to an entry of `tensors` (filled here)."""
     if isinstance(value, torch.Tensor):
+        if hasattr(value, "to_local"):  # a sharded tensor (sharding.py): this process saves its own rows
+            value = value.to_local().clone()
         name = f"t{len(tensors)}"
         tensors[name] = value.detach().cpu().contiguous()
         return {"__tensor__": name}

@@ -17,6 +17,7 @@ import io
 import json
 import os
 import re
+import shutil
 import time
 import uuid
 from pathlib import Path
@@ -24,13 +25,15 @@ from pathlib import Path
 from . import distributed
 from .atomic import write_atomic, write_text_atomic
 from .distributed import Dist
-from .train import RESUME_FILE
+from .sharding import PART
+from .train import RESUME_DIR, RESUME_FILE
 
 RUNS_DIR = Path("runs")  # where runs go when --output is not given
 BEST_FILE = "best.safetensors"  # the best trained weights so far, while the run trains
-WORK_FILES = (RESUME_FILE, BEST_FILE)
+RESULT_WEIGHTS = "classifier.safetensors"
+WORK_FILES = (RESUME_FILE, BEST_FILE, RESUME_DIR)
 RESULT_FILES = (
-    "classifier.safetensors",
+    RESULT_WEIGHTS,
     "history.csv",
     "history.png",
     "confusion.png",
@@ -50,10 +53,21 @@ def new_run_id() -> str:
 
 
 def _ours(entry: Path) -> bool:
-    """A plain file by one of the names a run writes (the names alone prove nothing without the marker)."""
+    """A plain file by one of the names a run writes, or a sharded resume point holding only its parts (the names
+    alone prove nothing without the marker)."""
     name = entry.name
+    if name == RESUME_DIR and entry.is_dir() and not entry.is_symlink():
+        return all(PART.fullmatch(f.name) and f.is_file() for f in entry.iterdir())
     known = name in WORK_FILES or name in RESULT_FILES or name == MARKER or bool(_OUR_TEMP.fullmatch(name))
     return known and entry.is_file() and not entry.is_symlink()
+
+
+def remove_ours(path: Path) -> None:
+    """Remove a file or sharded resume point this tool wrote (see `_ours`); nothing if absent."""
+    if path.is_dir() and _ours(path):
+        shutil.rmtree(path)
+    elif path.is_file():
+        path.unlink()
 
 
 def check_output(out: Path, resume: bool, overwrite: bool) -> str:
@@ -76,7 +90,7 @@ def check_output(out: Path, resume: bool, overwrite: bool) -> str:
         raise OutputError(
             f"--output {out} holds files this tool did not write ({shown}){legacy}; choose a new or empty directory"
         )
-    if RESUME_FILE in names or BEST_FILE in names:
+    if RESUME_FILE in names or BEST_FILE in names or RESUME_DIR in names:
         if not (resume or overwrite):
             raise OutputError(f"{out} holds an unfinished run: pass --resume to continue it or --overwrite to restart")
         return "unfinished"
@@ -95,7 +109,7 @@ def clear_run(out: Path) -> None:
     if out.is_dir():
         for path in out.iterdir():
             if _ours(path) and path.name != MARKER:
-                path.unlink()
+                remove_ours(path)
 
 
 def default_output(model_ref: str, data: str, resume: bool, runs: Path = RUNS_DIR) -> Path:
@@ -195,18 +209,17 @@ def plot_confusion(confusion: list[list[int]], names: list[str], path: Path) -> 
     plt.close(fig)
 
 
-def write_results(out: Path, save, metrics: dict, meta: dict, history: list[dict]) -> None:
-    """The results as a set, classifier.json (what classify reads first) last, tied by one run id; then the
-    run's working files go."""
-    run_id = metrics["run_id"] = meta["run_id"] = new_run_id()
-    save(out / "classifier.safetensors", {"run_id": run_id})
+def write_results(out: Path, run_id: str, metrics: dict, meta: dict, history: list[dict]) -> None:
+    """The results as a set, after classifier.safetensors (written by every process: a sharded model is gathered),
+    classifier.json (what classify reads first) last, all tied by one run id; then the run's working files go."""
+    metrics["run_id"] = meta["run_id"] = run_id
     write_text_atomic(out / "history.csv", history_csv(history))
     plot_history(history, out / "history.png")
     plot_confusion(metrics["test_confusion"], metrics["label_names"], out / "confusion.png")
     write_text_atomic(out / "metrics.json", json.dumps(metrics, indent=2) + "\n")
     write_text_atomic(out / "classifier.json", json.dumps(meta, indent=2) + "\n")
-    for name in (BEST_FILE, RESUME_FILE):  # spent; the resume point last, so a crash here still reads "unfinished"
-        (out / name).unlink(missing_ok=True)
+    for name in (BEST_FILE, RESUME_FILE, RESUME_DIR):  # spent; the resume point last: a crash here reads "unfinished"
+        remove_ours(out / name)
 
 
 def start_output(out: Path, resume: bool, pointed: bool, env: Dist) -> None:

@@ -15,21 +15,38 @@ to save the trained parameters on rank 0, to read the best weights back, and to 
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
+import json
 import math
+import os
+import re
+import shutil
 import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
+from safetensors import safe_open
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
-from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor, Shard
 from tqdm.auto import tqdm
 
+from . import distributed
+from .atomic import replace_directory
 from .checkpoint_files import TensorInfo, find_checkpoint_files, read_into
 from .classifier import LlamaClassifier, new_head
+from .config import LlamaConfig
 from .distributed import Dist
-from .lora import lora_layers, new_adapters
+from .export_weights import write_safetensors
+from .lora import LoRASettings, lora_layers, new_adapters
+from .model import Llama
+from .resume import ResumeError
+from .sources import load_model, trains_from_scratch
 from .weights import CheckpointError, LoadReport, match_tensors
 
 
@@ -57,6 +74,34 @@ def shard_model(clf: LlamaClassifier, mesh: DeviceMesh, reduce_dtype: torch.dtyp
     for block in clf.backbone.blocks:
         fully_shard(block, mesh=mesh, mp_policy=policy)
     fully_shard(clf, mesh=mesh, mp_policy=policy)
+
+
+def sharded_classifier(ref: str, dtype: torch.dtype, num_classes: int, train_last: int | None,
+                       lora: LoRASettings | None, mesh: DeviceMesh, device: torch.device,
+                       progress: bool) -> LlamaClassifier:  # fmt: skip
+    """The classifier built on the meta device, sharded, then filled: from a checkpoint, each process reads only its
+    rows (`load_sharded`); a preset's random weights are drawn whole on each process (the same draw everywhere,
+    as one process draws them: a preset is small or a test) and cut to its rows by `fully_shard`."""
+    if trains_from_scratch(ref):
+        clf = LlamaClassifier(load_model(ref, device, dtype), num_classes, train_last, lora)
+        shard_model(clf, mesh)
+        return clf
+    cfg = dataclasses.replace(LlamaConfig.from_hf(ref), dtype=dtype)
+    with torch.device("meta"):
+        clf = LlamaClassifier(Llama(cfg), num_classes, train_last, lora)
+    fresh = fresh_values(clf)
+    shard_model(clf, mesh)
+    load_sharded(clf, ref, device, fresh, progress)
+    return clf
+
+
+def reshard(model: nn.Module) -> None:
+    """Free every gathered parameter, leaving each process its rows. Needed after a forward without backward
+    (evaluation): FSDP2 keeps the root's parameters gathered after its forward, for the backward it expects, and
+    meanwhile `named_parameters` lists those whole tensors instead of the shards."""
+    for m in model.modules():
+        if isinstance(m, FSDPModule):
+            m.reshard()
 
 
 def is_sharded(model: nn.Module) -> bool:
@@ -169,13 +214,13 @@ def gathered(named: dict[str, torch.Tensor], env: Dist):
         del whole
 
 
-def scatter_from_main(named: dict[str, torch.Tensor], source: dict[str, torch.Tensor] | None, env: Dist) -> None:
-    """Set each tensor of `named` (sharded or not) to rank 0's `source` tensor of that name: rank 0 sends each
+def scatter_from_main(named: dict[str, torch.Tensor], source: Callable[[str], torch.Tensor] | None, env: Dist) -> None:
+    """Set each tensor of `named` (sharded or not) to rank 0's `source(name)`: rank 0 sends each
     whole tensor in turn, every process keeps its rows. How the best weights reach every process without a shared
     disk."""
     for name, t in named.items():
         start, stop = local_rows(t)
-        whole = source[name].to(t.device, t.dtype) if env.is_main else torch.empty(t.shape, dtype=t.dtype,
+        whole = source(name).to(t.device, t.dtype) if env.is_main else torch.empty(t.shape, dtype=t.dtype,
                                                                                     device=local(t).device)  # fmt: skip
         if env.enabled:
             dist.broadcast(whole, src=0)
@@ -200,3 +245,92 @@ def like_param(value: torch.Tensor, param: torch.Tensor) -> torch.Tensor:
     if not isinstance(param, DTensor) or isinstance(value, DTensor) or value.shape != local(param).shape:
         return value
     return DTensor.from_local(value, param.device_mesh, param.placements, shape=param.shape, stride=param.stride())
+
+
+class _Spec(NamedTuple):
+    name: str
+    shape: tuple[int, ...]
+
+
+def save_gathered(named: dict[str, torch.Tensor], path: Path, env: Dist, metadata: dict | None = None) -> None:
+    """Write `named` (sharded or not) as one safetensors file on rank 0, gathering one tensor at a time: the
+    header first (from the shapes), then each whole tensor as it arrives; never the whole model at once. Every
+    process must call it (each gather is a collective)."""
+    seen: set[int] = set()  # a tied embedding under two names is written once, under the first (as save_weights)
+    named = {n: t for n, t in named.items() if not (id(t) in seen or seen.add(id(t)))}
+    dtypes = {t.dtype for t in named.values()}
+    if len(dtypes) != 1:
+        raise ValueError(f"the tensors to save mix dtypes {sorted(map(str, dtypes))}")
+    specs = [_Spec(name, tuple(t.shape)) for name, t in named.items()]
+    if env.is_main:
+        meta = {k: v if isinstance(v, str) else json.dumps(v) for k, v in (metadata or {}).items()}
+        write_safetensors(path, specs, dtypes.pop(), lambda s: full_tensor(named[s.name].detach()).cpu(), meta)
+    else:
+        for s in specs:
+            full_tensor(named[s.name].detach())
+
+
+def read_from_main(named: dict[str, torch.Tensor], path: Path, env: Dist) -> None:
+    """Set `named` to the tensors of rank 0's safetensors file `path`, read there one tensor at a time and
+    sent to every process, each keeping its rows: the other processes need not see rank 0's disk."""
+    with safe_open(path, framework="pt") if env.is_main else contextlib.nullcontext() as f:
+        stored = set(f.keys()) if env.is_main else set()
+        missing = distributed.broadcast_object([n for n in named if n not in stored] if env.is_main else None)
+        if missing:  # every process raises alike, none waits in a collective
+            raise CheckpointError(f"{path} lacks {', '.join(missing[:5])}")
+        scatter_from_main(named, f.get_tensor if env.is_main else None, env)
+
+
+# --- resume points: each process writes its own part ----------------------------------------------------------
+
+
+def part_name(env: Dist) -> str:
+    return f"rank-{env.rank:05d}-of-{env.world_size:05d}.safetensors"
+
+
+def write_parts(directory: Path, env: Dist, write_part) -> None:
+    """A sharded resume point as one directory of every process's part, swapped in whole: each process writes its
+    part (`write_part(file)`) into a partial directory; once all have, rank 0 swaps it in for the previous point.
+    A kill at any moment leaves the previous point or the new one complete, never a mix of steps."""
+    partial = directory.with_name(f".{directory.name}.partial")
+    if env.is_main:
+        shutil.rmtree(partial, ignore_errors=True)  # ours by name: an earlier save that was cut short
+        partial.mkdir(parents=True)
+    distributed.barrier()
+    write_part(partial / part_name(env))
+    distributed.barrier()
+    if env.is_main:
+        replace_directory(directory, lambda tmp: [os.replace(f, tmp / f.name) for f in sorted(partial.iterdir())],
+                          is_ours=lambda d: all(PART.fullmatch(f.name) for f in d.iterdir()))  # fmt: skip
+        partial.rmdir()
+    distributed.barrier()
+
+
+PART = re.compile(r"rank-\d{5}-of-\d{5}\.safetensors")
+
+
+def part_path(directory: Path, env: Dist) -> Path:
+    """This process's part of the resume point in `directory`; a clear error when it was saved by another number
+    of processes (resharding is not supported: resume with the same number)."""
+    saved = sorted(f.name for f in directory.iterdir() if PART.fullmatch(f.name))
+    mine = directory / part_name(env)
+    if not mine.exists():
+        n = saved[0].split("-of-")[1].split(".")[0].lstrip("0") if saved else "no"
+        raise ResumeError(f"{directory} was saved by {n} processes, this run has {env.world_size}: resume a sharded "
+                          "run with the same number of processes")  # fmt: skip
+    return mine
+
+
+def as_sharded(record: dict, model: nn.Module, optimizer) -> None:
+    """A read part's plain tensors (this process's rows) made DTensors again like the parameters they belong to,
+    in place, so that resume.restore can copy them in as for a single process."""
+    params = dict(model.named_parameters())
+    record["trained"] = {n: like_param(t, params[n]) if n in params else t for n, t in record["trained"].items()}
+    state = record["optimizer"]
+    stepped = [p for g in optimizer.param_groups for p in g["params"]]
+    for i, entry in state.get("state", {}).items():
+        if 0 <= i < len(stepped):
+            state["state"][i] = {k: like_param(v, stepped[i]) if torch.is_tensor(v) else v for k, v in entry.items()}
+    if "master_weights" in state:
+        state["master_weights"] = [like_param(m, p) for m, p in zip(state["master_weights"], optimizer.masters,
+                                                                     strict=True)]  # fmt: skip

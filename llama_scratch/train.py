@@ -6,7 +6,6 @@ One optimizer step = `grad_accum` micro-batches of `batch_size` rows on each of 
 
 from __future__ import annotations
 
-import contextlib
 import math
 import time
 from dataclasses import asdict, dataclass, field, fields
@@ -19,7 +18,7 @@ from torch import nn
 from torch.utils.data import DistributedSampler
 from tqdm.auto import tqdm
 
-from . import distributed, resume
+from . import distributed, resume, sharding
 from .batching import Split, forward, to_batch
 from .distributed import Dist
 from .evaluation import evaluate
@@ -86,10 +85,9 @@ class TrainingDiverged(RuntimeError):
 def epoch_batches(n: int, epoch: int, s: TrainSettings, env: Dist) -> list[list[int]]:
     """This process's micro-batches for one epoch, as row indices, in a fixed order given (seed, epoch).
 
-    The order comes from `DistributedSampler`: with one process it is the whole shuffled list, with N processes
-    each takes every N-th row of the same list. So batch k on one process with batch size 8 holds exactly the rows
-    of batch k on two processes with batch size 4, and the two runs take the same steps. The last, incomplete
-    batch is dropped so every step has the same size on every process.
+    The order comes from `DistributedSampler`: with N processes each takes every N-th row of one shuffled list,
+    so batch k of one process with batch size 8 holds the rows of batch k on two with batch size 4: the same
+    steps. The last, incomplete batch is dropped: every step has the same size on every process.
     """
     sampler = DistributedSampler(range(n), num_replicas=env.world_size, rank=env.rank, shuffle=True, seed=s.seed)
     sampler.set_epoch(epoch)
@@ -160,9 +158,6 @@ def lr_factor(step: int, total: int, s: TrainSettings) -> float:
     return 0.1 + 0.9 * decay
 
 
-# ---------------------------------------------------------------------------------------------- evaluation
-
-
 # ---------------------------------------------------------------------------------------------- checkpoints
 
 
@@ -195,14 +190,16 @@ def load_resume_point(path: Path, model, optimizer, scheduler, settings: TrainSe
     for changeable in ("save_every",):  # how often to save may change between the two halves of a run
         saved.pop(changeable, None), now.pop(changeable, None)
     resume.check_same_run(path, saved, now)
+    if sharding.is_sharded(model):  # each process's rows, made DTensors like the parameters again
+        sharding.as_sharded(record, model, optimizer)
     resume.restore(record, distributed.unwrap(model), optimizer, scheduler, path)
     return TrainState(**state)
 
 
 # ---------------------------------------------------------------------------------------------- the loop
 
-
 RESUME_FILE = "resume.safetensors"
+RESUME_DIR = "resume.sharded"  # under --shard: one part per process (sharding.write_parts)
 
 
 def train_step(
@@ -218,9 +215,8 @@ def train_step(
     tokens = 0
     for j, rows in enumerate(step_rows):
         batch = to_batch(split, rows, s.padding_side, device)
-        # Under DDP, gradients are averaged across processes only on the last micro-batch of a step.
-        sync = contextlib.nullcontext() if j == len(step_rows) - 1 or not env.enabled else model.no_sync()
-        with sync:
+        # Several processes combine their gradients only after the last micro-batch of a step.
+        with distributed.gradient_sync(model, j == len(step_rows) - 1):
             logits = forward(model, batch)
             micro = F.cross_entropy(logits.float(), batch["labels"], weight=weight) / s.grad_accum
             micro.backward()
@@ -233,8 +229,8 @@ def train_step(
 
 
 def check_finite(totals: list[float], state: TrainState, resume_path: Path) -> None:
-    """Stop on a non-finite loss or gradient norm. `totals` were summed over all processes, so one process's NaN
-    is every process's NaN, and all of them stop together instead of some waiting forever in a collective."""
+    """Stop on a non-finite loss or gradient norm, summed over all processes: one process's NaN is everyone's, so all
+    stop together instead of some waiting forever in a collective."""
     loss_sum, _, rows, norm = totals
     if not (math.isfinite(loss_sum) and math.isfinite(norm)):
         raise TrainingDiverged(
@@ -271,7 +267,7 @@ def finish_epoch(state: TrainState, val: dict, complete: bool, on_best, env: Dis
     if (row["val_accuracy"], -row["val_loss"]) > (state.best_val_accuracy, -state.best_val_loss):
         state.best_val_accuracy, state.best_val_loss = row["val_accuracy"], row["val_loss"]
         state.best_epoch = row["epoch"]
-        if env.is_main and on_best is not None:
+        if on_best is not None:  # on every process: a sharded model is gathered to save it
             on_best(row["epoch"])
     if complete:
         state.epoch, state.batches_done, state.epoch_sums = state.epoch + 1, 0, [0.0, 0.0, 0.0]
@@ -292,8 +288,10 @@ class Loop:
     identity: dict
 
     def save_point(self, state: TrainState) -> None:
-        if self.env.is_main:
-            parts = (self.model, self.optimizer, self.scheduler, state, self.s, self.identity)
+        parts = (self.model, self.optimizer, self.scheduler, state, self.s, self.identity)
+        if sharding.is_sharded(self.model):  # every process writes its rows
+            sharding.write_parts(self.resume_path, self.env, lambda file: save_resume_point(file, *parts))
+        elif self.env.is_main:
             save_resume_point(self.resume_path, *parts)
 
 
@@ -315,14 +313,14 @@ def train_epoch(loop: Loop, split: Split, state: TrainState) -> bool:
         sums, tokens = train_step(loop.model, split, batches[k : k + s.grad_accum], s, env, loop.device)
         params = [p for p in loop.model.parameters() if p.requires_grad]
         norm = nn.utils.clip_grad_norm_(params, s.clip_grad if s.clip_grad > 0 else float("inf"))
-        totals = distributed.all_sum(torch.cat([sums, norm.detach().to(sums).view(1)])).tolist()  # one sync a step
+        norm = sharding.full_tensor(norm.detach()).to(sums).view(1)  # sharded: the norm of all the rows
+        totals = distributed.all_sum(torch.cat([sums, norm])).tolist()  # one sync a step
         check_finite(totals, state, loop.resume_path)
         with interrupts_deferred():  # weights, optimizer, schedule and counters move together
             loop.optimizer.step()
             loop.scheduler.step()
-            # Alone, freeing gradients lowers the next forward's peak; under DDP they are views of its
-            # all-reduce buckets (distributed.wrap), which must be kept: zero them instead.
-            loop.optimizer.zero_grad(set_to_none=not env.enabled)
+            # Freed gradients lower the next forward's peak; DDP's are views of its buckets: zeroed instead.
+            loop.optimizer.zero_grad(set_to_none=not distributed.is_replicated(loop.model))
             state.step += 1
             state.batches_done = k + s.grad_accum
             state.epoch_sums = [a + b for a, b in zip(state.epoch_sums, totals[:3], strict=True)]
@@ -364,7 +362,7 @@ def train(
     run_identity: dict | None = None,
 ) -> TrainState:
     """Train `model` (a classifier, maybe wrapped in DDP) on splits['train'], evaluating on 'val' after each
-    epoch. `on_best(epoch)` is called on rank 0 when validation accuracy improves (save weights there).
+    epoch. `on_best(epoch)` is called on every process when validation accuracy improves (rank 0 saves).
     `run_identity` (model, data, world size, ...) is stored with each resume point; resuming under another refuses.
     """
     steps_per_epoch = check_enough_data(len(splits["train"].ids), s, env)
@@ -372,10 +370,12 @@ def train(
     optimizer = make_optimizer(model, s)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: lr_factor(step, total, s))
     identity = {"world_size": env.world_size, **(run_identity or {})}
-    loop = Loop(model, optimizer, scheduler, s, env, device, total, out_dir / RESUME_FILE, identity)
+    where = out_dir / (RESUME_DIR if sharding.is_sharded(model) else RESUME_FILE)
+    loop = Loop(model, optimizer, scheduler, s, env, device, total, where, identity)
     state = TrainState()
     if resume and loop.resume_path.exists():
-        state = load_resume_point(loop.resume_path, model, optimizer, scheduler, s, identity)
+        point = sharding.part_path(where, env) if where.name == RESUME_DIR else where
+        state = load_resume_point(point, model, optimizer, scheduler, s, identity)
         log(f"resuming from {loop.resume_path}: epoch {state.epoch + 1}, step {state.step}")
     elif resume:
         log(f"--resume: no resume point at {loop.resume_path}; starting from the beginning")
