@@ -213,6 +213,8 @@ def run(args: argparse.Namespace) -> dict:
             raise ValueError("--plan needs --model: a preset (e.g. llama3-8b), a checkpoint directory or a repo id")
         scratch = plans_from_scratch(args.model)
         return plan_command(args, chosen_train_last(args.train_last, scratch), lora_settings(args, scratch))
+    if args.shard_group is not None and not args.shard:
+        raise ValueError("--shard-group G needs --shard")
     env, device = distributed.setup(args.device)
     log = print if env.is_main else (lambda *a, **k: None)
     if not env.is_main:

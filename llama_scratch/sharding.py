@@ -309,6 +309,16 @@ def write_parts(directory: Path, env: Dist, write_part) -> None:
 PART = re.compile(r"rank-\d{5}-of-\d{5}\.safetensors")
 
 
+def resume_location(single: Path, parts: Path, model: nn.Module, resuming: bool) -> Path:
+    """Where this run keeps its resume point: one file, or a directory of parts when sharded. Resuming, a point of
+    the other kind is refused by name (it would otherwise be ignored and the run would start over)."""
+    mine, other = (parts, single) if is_sharded(model) else (single, parts)
+    if resuming and not mine.exists() and other.exists():
+        how = "with --shard" if other is parts else "without --shard"
+        raise ResumeError(f"{other} was saved by a run {how}: resume it {how}, with the same number of processes")
+    return mine
+
+
 def part_path(directory: Path, env: Dist) -> Path:
     """This process's part of the resume point in `directory`; a clear error when it was saved by another number
     of processes (resharding is not supported: resume with the same number)."""

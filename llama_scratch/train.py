@@ -370,7 +370,7 @@ def train(
     optimizer = make_optimizer(model, s)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: lr_factor(step, total, s))
     identity = {"world_size": env.world_size, **(run_identity or {})}
-    where = out_dir / (RESUME_DIR if sharding.is_sharded(model) else RESUME_FILE)
+    where = sharding.resume_location(out_dir / RESUME_FILE, out_dir / RESUME_DIR, model, resume)
     loop = Loop(model, optimizer, scheduler, s, env, device, total, where, identity)
     state = TrainState()
     if resume and loop.resume_path.exists():

@@ -1,0 +1,150 @@
+"""--shard (FSDP2) end to end, as a user runs it: two CPU processes (gloo) against one, the sharded load's memory,
+and a sharded run killed and resumed."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from llama_scratch.config import LlamaConfig
+from llama_scratch.model import Llama
+from llama_scratch.weights import save_checkpoint
+from tests.test_distributed import run_on_two_processes
+from tests.test_finetune import run_module
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory) -> Path:
+    """A pretrained-looking float32 `tiny` checkpoint (random weights, saved as a user's directory would be)."""
+    path = tmp_path_factory.mktemp("ckpt") / "tiny"
+    torch.manual_seed(1)
+    cfg = LlamaConfig.from_name("tiny")
+    save_checkpoint(Llama(cfg), cfg, path)
+    return path
+
+
+def args_for(model: Path, data: Path, out: Path, *extra: str) -> list[str]:
+    return ["--model", str(model), "--dtype", "float32", "--data", str(data), "--split", "full", "--output",
+            str(out), "--epochs", "2", "--lr", "1e-3", "--max-length", "48", *extra]  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    "recipe", [["--train-last", "all"], ["--train-last", "2"], ["--train-last", "2", "--lora", "4"]], ids=str
+)
+def test_two_sharded_processes_equal_one_process(checkpoint, small_csv, tmp_path, recipe):
+    one = run_module(*args_for(checkpoint, small_csv, tmp_path / "one", *recipe, "--batch-size", "8"))
+    assert one.returncode == 0, one.stderr
+    two = run_module(*args_for(checkpoint, small_csv, tmp_path / "two", *recipe, "--batch-size", "4", "--shard"),
+                     torchrun=2)  # fmt: skip
+    assert two.returncode == 0, two.stderr
+    assert "sharded across 2 processes" in two.stdout
+    a, b = (load_file(tmp_path / d / "classifier.safetensors") for d in ("one", "two"))
+    assert a.keys() == b.keys()
+    assert max((a[k] - b[k]).abs().max().item() for k in a) <= 1e-5
+    ma, mb = (json.loads((tmp_path / d / "metrics.json").read_text()) for d in ("one", "two"))
+    for key in ("train_accuracy", "val_accuracy", "test_accuracy", "test_confusion", "steps", "trainable_parameters"):
+        assert ma[key] == mb[key], key
+    assert abs(ma["test_loss"] - mb["test_loss"]) < 1e-5
+
+
+LOAD_SCRIPT = """
+import dataclasses, sys, torch
+from pathlib import Path
+from llama_scratch import distributed, sharding
+from llama_scratch.classifier import LlamaClassifier
+from llama_scratch.config import LlamaConfig
+from llama_scratch.model import Llama
+
+def peak_rss() -> int:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) * 1024
+
+def rss() -> int:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) * 1024
+
+env, device = distributed.setup("cpu")
+ckpt = sys.argv[1]
+mesh = sharding.make_mesh(env, device)
+# First use of the meta device, FSDP and the model code costs ~30 MB of Python and torch state: paid here first.
+cfg = dataclasses.replace(LlamaConfig.from_hf(ckpt), dtype=torch.float32)
+with torch.device("meta"):
+    sharding.shard_model(LlamaClassifier(Llama(cfg), 2, None, None), mesh)
+Path("/proc/self/clear_refs").write_text("5")  # the peak from here on
+before = rss()
+clf = sharding.sharded_classifier(ckpt, torch.float32, 2, None, None, mesh, device, progress=False)
+grown = peak_rss() - before
+mine = sharding.resident_bytes(clf)
+full = sum(p.numel() * p.element_size() for p in clf.parameters())
+largest = max(p.numel() * p.element_size() for p in clf.parameters())
+print(f"rank {env.rank}: holds {mine} of {full} bytes, largest tensor {largest}, load peak +{grown}")
+assert abs(mine - full / 2) <= largest, (mine, full)
+assert grown <= full / 2 + largest + 8 * 2**20, (grown, full)
+print(f"rank {env.rank} ok")
+distributed.teardown()
+"""
+
+
+def test_sharded_load_holds_half_per_process(tmp_path):
+    """12 blocks of many tensors: each of two processes holds half the bytes (+/- one tensor), and its memory grows
+    by about that much while loading, not by the whole checkpoint."""
+    cfg = LlamaConfig(vocab_size=512, dim=256, n_layers=12, n_heads=4, n_kv_heads=2, head_dim=64, ffn_dim=768,
+                      max_seq_len=128, dtype=torch.float32)  # fmt: skip
+    save_checkpoint(Llama(cfg), cfg, tmp_path / "ckpt")  # 38 MB
+    run_on_two_processes(LOAD_SCRIPT.replace("sys.argv[1]", repr(str(tmp_path / "ckpt"))), tmp_path / "load.py")
+
+
+def kill_every_process_of(out: Path) -> None:
+    """SIGKILL every process whose command line names `out` (torchrun starts its workers in their own sessions)."""
+    for entry in Path("/proc").iterdir():
+        try:
+            if entry.name.isdigit() and str(out) in (entry / "cmdline").read_bytes().decode(errors="replace"):
+                os.kill(int(entry.name), signal.SIGKILL)
+        except (OSError, ProcessLookupError):
+            pass
+
+
+def test_sharded_run_killed_mid_epoch_resumes_to_the_same_weights(checkpoint, small_csv, tmp_path):
+    full, killed = tmp_path / "full", tmp_path / "killed"
+    common = ("--train-last", "2", "--batch-size", "4", "--save-every", "1", "--shard")
+    uninterrupted = run_module(*args_for(checkpoint, small_csv, full, *common), torchrun=2)
+    assert uninterrupted.returncode == 0, uninterrupted.stderr
+
+    argv = args_for(checkpoint, small_csv, killed, *common)
+    launch = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "-m",
+              "llama_scratch.finetune_classifier", *argv]  # fmt: skip
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.Popen(launch, env=env, start_new_session=True, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL)  # fmt: skip
+    deadline = time.time() + 120
+    while not (killed / "resume.sharded").exists() and time.time() < deadline and proc.poll() is None:
+        time.sleep(0.05)
+    time.sleep(0.5)  # a few steps further than the first save
+    kill_every_process_of(killed)  # torchrun and both workers at once, as when a node is lost
+    proc.wait()
+    parts = sorted(p.name for p in (killed / "resume.sharded").iterdir())
+    assert parts == ["rank-00000-of-00002.safetensors", "rank-00001-of-00002.safetensors"]
+    assert not (killed / "metrics.json").exists(), "the run should have been killed before it finished"
+
+    alone = run_module(*argv[:-1], "--resume")  # one process, no --shard: refused by name, nothing restarted
+    assert alone.returncode == 2 and "--shard" in alone.stderr, alone.stderr
+    resumed = run_module(*argv, "--resume", torchrun=2)
+    assert resumed.returncode == 0, resumed.stderr
+    assert "resuming from" in resumed.stdout
+    a, b = (load_file(d / "classifier.safetensors") for d in (full, killed))
+    assert max((a[k] - b[k]).abs().max().item() for k in a) == 0.0
+    assert not (killed / "resume.sharded").exists(), "the spent resume point is removed with the results"
+
+
+def test_shard_group_needs_shard(checkpoint, small_csv, tmp_path):
+    r = run_module(*args_for(checkpoint, small_csv, tmp_path / "x", "--shard-group", "2"))
+    assert r.returncode == 2 and "--shard-group G needs --shard" in r.stderr
