@@ -36,13 +36,21 @@ def args_for(model: Path, data: Path, out: Path, *extra: str) -> list[str]:
 
 
 @pytest.mark.parametrize(
-    "recipe", [["--train-last", "all"], ["--train-last", "2"], ["--train-last", "2", "--lora", "4"]], ids=str
+    "recipe",
+    [
+        ["--train-last", "all"],
+        ["--train-last", "2"],
+        ["--train-last", "2", "--lora", "4"],
+        ["--train-last", "all", "--shard-group", "1"],  # hybrid: 2 replicas of 1 shard (the 2-D mesh)
+    ],
+    ids=str,
 )
 def test_two_sharded_processes_equal_one_process(checkpoint, small_csv, tmp_path, recipe):
-    one = run_module(*args_for(checkpoint, small_csv, tmp_path / "one", *recipe, "--batch-size", "8"))
-    assert one.returncode == 0, one.stderr
+    one_recipe = [a for a in recipe if a not in ("--shard-group", "1")]
+    one = run_module(*args_for(checkpoint, small_csv, tmp_path / "one", *one_recipe, "--batch-size", "8"))
     two = run_module(*args_for(checkpoint, small_csv, tmp_path / "two", *recipe, "--batch-size", "4", "--shard"),
                      torchrun=2)  # fmt: skip
+    assert one.returncode == 0, one.stderr
     assert two.returncode == 0, two.stderr
     assert "sharded across 2 processes" in two.stdout
     a, b = (load_file(tmp_path / d / "classifier.safetensors") for d in ("one", "two"))
@@ -148,3 +156,32 @@ def test_sharded_run_killed_mid_epoch_resumes_to_the_same_weights(checkpoint, sm
 def test_shard_group_needs_shard(checkpoint, small_csv, tmp_path):
     r = run_module(*args_for(checkpoint, small_csv, tmp_path / "x", "--shard-group", "2"))
     assert r.returncode == 2 and "--shard-group G needs --shard" in r.stderr
+
+
+def test_bfloat16_sharded_run_steps_float32_masters(checkpoint, small_csv, tmp_path):
+    """The GPU default, on the CPU: bfloat16 shards, stepped through float32 master weights (optim.py) that are
+    DTensors too; the saved weights are bfloat16 and have moved away from the checkpoint's."""
+    out = tmp_path / "bf16"
+    r = run_module(
+        *args_for(
+            checkpoint,
+            small_csv,
+            out,
+            "--train-last",
+            "2",
+            "--batch-size",
+            "4",
+            "--epochs",
+            "1",
+            "--shard",
+            "--dtype",
+            "bfloat16",
+        ),
+        torchrun=2,
+    )  # fmt: skip (the last --dtype wins)
+    assert r.returncode == 0, r.stderr
+    trained = load_file(out / "classifier.safetensors")
+    base = load_file(checkpoint / "model.safetensors")
+    assert {t.dtype for t in trained.values()} == {torch.bfloat16}
+    name = "backbone.blocks.3.ffn.down_proj.weight"
+    assert not torch.equal(trained[name], base["model.layers.3.mlp.down_proj.weight"].bfloat16())
