@@ -297,8 +297,12 @@ def write_parts(directory: Path, env: Dist, write_part) -> None:
         shutil.rmtree(partial, ignore_errors=True)  # ours by name: an earlier save that was cut short
         partial.mkdir(parents=True)
     distributed.barrier()
+    partial.mkdir(parents=True, exist_ok=True)
     write_part(partial / part_name(env))
     distributed.barrier()
+    if len([f for f in partial.iterdir() if PART.fullmatch(f.name)]) != env.world_size:  # every process sees alike
+        raise ResumeError(f"{partial} does not hold every process's part: a sharded run's --output must be on a disk "
+                          "that every machine shares")  # fmt: skip
     if env.is_main:
         replace_directory(directory, lambda tmp: [os.replace(f, tmp / f.name) for f in sorted(partial.iterdir())],
                           is_ours=lambda d: all(PART.fullmatch(f.name) for f in d.iterdir()))  # fmt: skip
