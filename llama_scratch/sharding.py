@@ -303,6 +303,7 @@ def write_parts(directory: Path, env: Dist, write_part) -> None:
     if len([f for f in partial.iterdir() if PART.fullmatch(f.name)]) != env.world_size:  # every process sees alike
         raise ResumeError(f"{partial} does not hold every process's part: a sharded run's --output must be on a disk "
                           "that every machine shares")  # fmt: skip
+    distributed.barrier()  # all have looked before rank 0 moves the parts
     if env.is_main:
         replace_directory(directory, lambda tmp: [os.replace(f, tmp / f.name) for f in sorted(partial.iterdir())],
                           is_ours=lambda d: all(PART.fullmatch(f.name) for f in d.iterdir()))  # fmt: skip
