@@ -25,7 +25,7 @@ from pathlib import Path
 from . import distributed
 from .atomic import write_atomic, write_text_atomic
 from .distributed import Dist
-from .sharding import PART
+from .sharding import is_resume_dir
 from .train import RESUME_DIR, RESUME_FILE
 
 RUNS_DIR = Path("runs")  # where runs go when --output is not given
@@ -57,7 +57,7 @@ def _ours(entry: Path) -> bool:
     alone prove nothing without the marker)."""
     name = entry.name
     if name == RESUME_DIR and entry.is_dir() and not entry.is_symlink():
-        return all(PART.fullmatch(f.name) and f.is_file() for f in entry.iterdir())
+        return is_resume_dir(entry)
     known = name in WORK_FILES or name in RESULT_FILES or name == MARKER or bool(_OUR_TEMP.fullmatch(name))
     return known and entry.is_file() and not entry.is_symlink()
 

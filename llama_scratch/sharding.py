@@ -19,7 +19,6 @@ import contextlib
 import dataclasses
 import json
 import math
-import os
 import re
 import shutil
 import time
@@ -37,7 +36,7 @@ from torch.distributed.tensor import DTensor, Shard
 from tqdm.auto import tqdm
 
 from . import distributed
-from .atomic import replace_directory
+from .atomic import write_text_atomic
 from .checkpoint_files import TensorInfo, find_checkpoint_files, read_into
 from .classifier import LlamaClassifier, new_head
 from .config import LlamaConfig
@@ -289,29 +288,48 @@ def part_name(env: Dist) -> str:
 
 
 def write_parts(directory: Path, env: Dist, write_part) -> None:
-    """A sharded resume point as one directory of every process's part, swapped in whole: each process writes its
-    part (`write_part(file)`) into a partial directory; once all have, rank 0 swaps it in for the previous point.
-    A kill at any moment leaves the previous point or the new one complete, never a mix of steps."""
-    partial = directory.with_name(f".{directory.name}.partial")
+    """A sharded resume point: every process's part (`write_part(file)`) in a new numbered directory inside
+    `directory`; once all have written, rank 0 names it in `directory/current` (one atomic file replace) and removes
+    the older ones. A kill at any moment leaves `current` naming a complete point, never a mix of steps."""
+    new = None
     if env.is_main:
-        shutil.rmtree(partial, ignore_errors=True)  # ours by name: an earlier save that was cut short
-        partial.mkdir(parents=True)
+        directory.mkdir(parents=True, exist_ok=True)
+        done = [int(d.name.removeprefix("point-")) for d in directory.iterdir() if POINT.fullmatch(d.name)]
+        new = directory / f"point-{max(done, default=0) + 1:08d}"
+        new.mkdir()
+    new = Path(distributed.broadcast_object(None if new is None else str(new)))
+    new.mkdir(parents=True, exist_ok=True)  # a machine that does not share rank 0's disk
+    write_part(new / part_name(env))
     distributed.barrier()
-    partial.mkdir(parents=True, exist_ok=True)
-    write_part(partial / part_name(env))
-    distributed.barrier()
-    if len([f for f in partial.iterdir() if PART.fullmatch(f.name)]) != env.world_size:  # every process sees alike
-        raise ResumeError(f"{partial} does not hold every process's part: a sharded run's --output must be on a disk "
-                          "that every machine shares")  # fmt: skip
-    distributed.barrier()  # all have looked before rank 0 moves the parts
+    complete = len([f for f in new.iterdir() if PART.fullmatch(f.name)]) == env.world_size
+    distributed.barrier()  # every process has looked before rank 0 moves on
+    if not complete:  # every process sees alike, and raises alike
+        raise ResumeError(f"{new} does not hold every process's part: a sharded run's --output must be on a disk that "
+                          "every machine shares")  # fmt: skip
     if env.is_main:
-        replace_directory(directory, lambda tmp: [os.replace(f, tmp / f.name) for f in sorted(partial.iterdir())],
-                          is_ours=lambda d: all(PART.fullmatch(f.name) for f in d.iterdir()))  # fmt: skip
-        partial.rmdir()
+        write_text_atomic(directory / CURRENT, new.name + "\n")
+        for old in directory.iterdir():
+            if POINT.fullmatch(old.name) and old != new:
+                shutil.rmtree(old)
     distributed.barrier()
 
 
 PART = re.compile(r"rank-\d{5}-of-\d{5}\.safetensors")
+POINT = re.compile(r"point-\d{8}")
+CURRENT = "current"
+
+
+def is_resume_dir(directory: Path) -> bool:
+    """A directory `write_parts` wrote: `current`, numbered points holding parts, and atomic writes' temporaries."""
+    for entry in directory.iterdir():
+        if entry.is_symlink():
+            return False
+        if POINT.fullmatch(entry.name) and entry.is_dir():
+            if not all(PART.fullmatch(f.name) and f.is_file() for f in entry.iterdir()):
+                return False
+        elif not (entry.is_file() and re.fullmatch(rf"{CURRENT}|\.{CURRENT}\.\d+\.tmp", entry.name)):
+            return False
+    return True
 
 
 def resume_location(single: Path, parts: Path, model: nn.Module, resuming: bool) -> Path:
@@ -325,10 +343,14 @@ def resume_location(single: Path, parts: Path, model: nn.Module, resuming: bool)
 
 
 def part_path(directory: Path, env: Dist) -> Path:
-    """This process's part of the resume point in `directory`; a clear error when it was saved by another number
-    of processes (resharding is not supported: resume with the same number)."""
-    saved = sorted(f.name for f in directory.iterdir() if PART.fullmatch(f.name))
-    mine = directory / part_name(env)
+    """This process's part of the complete resume point in `directory` (a path that does not exist when no save
+    was completed); a clear error when it was saved by another number of processes (resume with the same)."""
+    current = directory / CURRENT
+    name = current.read_text().strip() if current.is_file() else ""
+    if not POINT.fullmatch(name) or not (directory / name).is_dir():
+        return directory / "no-complete-point"
+    mine = directory / name / part_name(env)
+    saved = sorted(f.name for f in (directory / name).iterdir() if PART.fullmatch(f.name))
     if not mine.exists():
         n = saved[0].split("-of-")[1].split(".")[0].lstrip("0") if saved else "no"
         raise ResumeError(f"{directory} was saved by {n} processes, this run has {env.world_size}: resume a sharded "

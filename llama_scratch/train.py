@@ -373,8 +373,8 @@ def train(
     where = sharding.resume_location(out_dir / RESUME_FILE, out_dir / RESUME_DIR, model, resume)
     loop = Loop(model, optimizer, scheduler, s, env, device, total, where, identity)
     state = TrainState()
-    if resume and loop.resume_path.exists():
-        point = sharding.part_path(where, env) if where.name == RESUME_DIR else where
+    point = sharding.part_path(where, env) if where.name == RESUME_DIR and where.exists() else where
+    if resume and point.exists():
         state = load_resume_point(point, model, optimizer, scheduler, s, identity)
         log(f"resuming from {loop.resume_path}: epoch {state.epoch + 1}, step {state.step}")
     elif resume:

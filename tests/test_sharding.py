@@ -134,12 +134,13 @@ def test_sharded_run_killed_mid_epoch_resumes_to_the_same_weights(checkpoint, sm
     proc = subprocess.Popen(launch, env=env, start_new_session=True, stdout=subprocess.DEVNULL,
                             stderr=subprocess.DEVNULL)  # fmt: skip
     deadline = time.time() + 120
-    while not (killed / "resume.sharded").exists() and time.time() < deadline and proc.poll() is None:
+    while not (killed / "resume.sharded" / "current").exists() and time.time() < deadline and proc.poll() is None:
         time.sleep(0.05)
     time.sleep(0.5)  # a few steps further than the first save
     kill_every_process_of(killed)  # torchrun and both workers at once, as when a node is lost
     proc.wait()
-    parts = sorted(p.name for p in (killed / "resume.sharded").iterdir())
+    point = killed / "resume.sharded" / (killed / "resume.sharded" / "current").read_text().strip()
+    parts = sorted(p.name for p in point.iterdir())
     assert parts == ["rank-00000-of-00002.safetensors", "rank-00001-of-00002.safetensors"]
     assert not (killed / "metrics.json").exists(), "the run should have been killed before it finished"
 
