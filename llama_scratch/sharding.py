@@ -337,8 +337,12 @@ def resume_location(single: Path, parts: Path, model: nn.Module, resuming: bool)
     the other kind is refused by name (it would otherwise be ignored and the run would start over)."""
     mine, other = (parts, single) if is_sharded(model) else (single, parts)
     if resuming and not mine.exists() and other.exists():
-        how = "with --shard" if other is parts else "without --shard"
-        raise ResumeError(f"{other} was saved by a run {how}: resume it {how}, with the same number of processes")
+        if other is single:
+            raise ResumeError(f"{other} was saved by a run without --shard: resume it without --shard")
+        point = (parts / CURRENT).read_text().strip() if (parts / CURRENT).is_file() else ""
+        n = len([f for f in (parts / point).iterdir() if PART.fullmatch(f.name)]) if POINT.fullmatch(point) else 0
+        raise ResumeError(f"{other} was saved by a sharded run of {n or 'several'} processes: resume it with --shard "
+                          f"under torchrun with {n or 'as many'} processes")  # fmt: skip
     return mine
 
 
