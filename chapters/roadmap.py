@@ -26,6 +26,7 @@ CHAPTERS = {
     8: "fine-tuning\non SMS spam",
     9: "several\nGPUs",
     10: "generating\ntext",
+    11: "LoRA",
 }
 
 # The parts of the block diagram, left to right: (key, label, kind). Text flows from the tokenizer to the head;
@@ -58,6 +59,7 @@ BUILDS = {
     8: ("attn_norm", "attention", "attn_add", "ffn_norm", "ffn", "ffn_add", "final_norm", "head"),  # the top blocks
     9: EVERYTHING,  # the whole training run, copied on each GPU
     10: ("attention", "head"),  # the key/value cache and the next-token head
+    11: ("attention", "ffn"),  # adapters on the seven projections
 }
 
 HIGHLIGHT = "#f4a261"
