@@ -62,7 +62,7 @@ def make_mesh(env: Dist, device: torch.device, shard_group: int | None = None) -
 
 
 def shard_model(clf: LlamaClassifier, mesh: DeviceMesh, reduce_dtype: torch.dtype = torch.float32) -> None:
-    """`fully_shard` every block, then the root (embedding, final norm, head): each block's parameters are
+    """`fully_shard` every block and the embedding, then the root (final norm, head): each group's parameters are
     gathered for its own forward and backward only.
 
     Mixed precision: parameters stay in the dtype they were loaded in (bfloat16 on a GPU) and compute in it; the
@@ -70,9 +70,15 @@ def shard_model(clf: LlamaClassifier, mesh: DeviceMesh, reduce_dtype: torch.dtyp
     then kept in the parameter's dtype, where the optimizer's float32 masters (optim.py) pick them up.
     """
     policy = MixedPrecisionPolicy(param_dtype=None, reduce_dtype=reduce_dtype)
-    for block in clf.backbone.blocks:
-        fully_shard(block, mesh=mesh, mp_policy=policy)
-    fully_shard(clf, mesh=mesh, mp_policy=policy)
+    backbone = clf.backbone
+    # Untied, the embedding goes on its own, so that it is gathered only around its own forward and backward, and so
+    # does the unused next-token projection: never called, never gathered. Tied, they are one parameter, which must
+    # stay in one group (the root).
+    untied = [] if backbone.cfg.tie_embeddings else [backbone.embed_tokens, backbone.lm_head]
+    groups = [*backbone.blocks, *untied]
+    for module in groups:
+        fully_shard(module, mesh=mesh, mp_policy=policy)
+    fully_shard(clf, mesh=mesh, mp_policy=policy)  # the rest: final norm and head
 
 
 def sharded_classifier(ref: str, dtype: torch.dtype, num_classes: int, train_last: int | None,
