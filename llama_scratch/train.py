@@ -15,6 +15,7 @@ from typing import ClassVar
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.distributed.tensor import DTensor
 from torch.utils.data import DistributedSampler
 from tqdm.auto import tqdm
 
@@ -131,7 +132,8 @@ def make_optimizer(model: nn.Module, s: TrainSettings) -> torch.optim.AdamW:
     """AdamW over trainable parameters only (frozen ones get no state). Norm gains are not weight-decayed.
 
     On GPUs the fused kernel: faster, and no temporaries (the default foreach kernel briefly holds another copy of
-    the state, which for all of Llama-3-8B is 15 GB). `s.optimizer_state` "float32" on low-precision parameters
+    the state: 15 GB for all of Llama-3-8B). Sharded parameters (DTensors) step one tensor at a time: the fused
+    kernel gathered them whole in our simulation (127 GiB a process at 8B on 8), foreach copies the state. `s.optimizer_state` "float32" on low-precision parameters
     steps float32 master copies instead (MasterWeightAdamW); on float32 parameters both choices are the same.
     """
     if s.optimizer_state not in ("param", "float32"):
@@ -140,10 +142,11 @@ def make_optimizer(model: nn.Module, s: TrainSettings) -> torch.optim.AdamW:
     decay = [p for p in params if p.ndim >= 2]
     no_decay = [p for p in params if p.ndim < 2]
     groups = [{"params": decay, "weight_decay": s.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
-    fused = True if params and all(p.is_cuda for p in params) else None
+    sharded = any(isinstance(p, DTensor) for p in params)  # fused would gather them whole; foreach copies the state
+    fused, foreach = (None, False) if sharded else (True if params and all(p.is_cuda for p in params) else None, None)
     if s.optimizer_state == "float32" and any(p.dtype != torch.float32 for p in params):
-        return MasterWeightAdamW(groups, lr=s.lr, betas=(0.9, 0.95), eps=1e-8, fused=fused)
-    return torch.optim.AdamW(groups, lr=s.lr, betas=(0.9, 0.95), eps=1e-8, fused=fused)
+        return MasterWeightAdamW(groups, lr=s.lr, betas=(0.9, 0.95), eps=1e-8, fused=fused, foreach=foreach)
+    return torch.optim.AdamW(groups, lr=s.lr, betas=(0.9, 0.95), eps=1e-8, fused=fused, foreach=foreach)
 
 
 def lr_factor(step: int, total: int, s: TrainSettings) -> float:
