@@ -112,15 +112,13 @@ def check_enough_data(n_train: int, s: TrainSettings, env: Dist) -> int:
 
 
 def balanced_weights(labels: list[int], num_classes: int) -> list[float]:
-    """Loss weights n / (classes x count): each class then weighs as much in the loss as if all were equally common,
-    so that a rare class is not simply never predicted."""
+    """Loss weights n / (classes x count): each class weighs as much as if all were equally common (a rare one too)."""
     counts = torch.bincount(torch.tensor(labels), minlength=num_classes).clamp(min=1)
     return (len(labels) / (num_classes * counts.double())).tolist()
 
 
 def epochs_for_min_steps(n_train: int, s: TrainSettings, env: Dist) -> int:
-    """Enough epochs for at least `s.min_steps` optimizer steps: a few dozen rows make only a handful of steps an
-    epoch, and five epochs of them leave a pretrained model where it started."""
+    """Enough epochs for `s.min_steps` optimizer steps: five epochs of a few dozen rows leave a model where it was."""
     steps = check_enough_data(n_train, s, env)
     return max(s.epochs, math.ceil(s.min_steps / steps))
 
@@ -131,10 +129,10 @@ def epochs_for_min_steps(n_train: int, s: TrainSettings, env: Dist) -> int:
 def make_optimizer(model: nn.Module, s: TrainSettings) -> torch.optim.AdamW:
     """AdamW over trainable parameters only (frozen ones get no state). Norm gains are not weight-decayed.
 
-    On GPUs the fused kernel: faster, and no temporaries (the default foreach kernel briefly holds another copy of
-    the state: 15 GB for all of Llama-3-8B). Sharded parameters (DTensors) step one tensor at a time: the fused
-    kernel gathered them whole in our simulation (127 GiB a process at 8B on 8), foreach copies the state. `s.optimizer_state` "float32" on low-precision parameters
-    steps float32 master copies instead (MasterWeightAdamW); on float32 parameters both choices are the same.
+    On GPUs the fused kernel: faster, no temporaries (the default foreach kernel briefly copies the state: 15 GB for
+    all of Llama-3-8B). Sharded parameters (DTensors) step one tensor at a time: the fused kernel gathered them whole
+    in our simulation (127 GiB a process, 8B on 8). "float32" `optimizer_state` on low-precision parameters steps
+    float32 master copies (MasterWeightAdamW); on float32 parameters both choices are the same.
     """
     if s.optimizer_state not in ("param", "float32"):
         raise ValueError(f"optimizer_state must be 'param' or 'float32', got {s.optimizer_state!r}")
@@ -142,11 +140,11 @@ def make_optimizer(model: nn.Module, s: TrainSettings) -> torch.optim.AdamW:
     decay = [p for p in params if p.ndim >= 2]
     no_decay = [p for p in params if p.ndim < 2]
     groups = [{"params": decay, "weight_decay": s.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
-    sharded = any(isinstance(p, DTensor) for p in params)  # fused would gather them whole; foreach copies the state
+    sharded = any(isinstance(p, DTensor) for p in params)
     fused, foreach = (None, False) if sharded else (True if params and all(p.is_cuda for p in params) else None, None)
-    if s.optimizer_state == "float32" and any(p.dtype != torch.float32 for p in params):
-        return MasterWeightAdamW(groups, lr=s.lr, betas=(0.9, 0.95), eps=1e-8, fused=fused, foreach=foreach)
-    return torch.optim.AdamW(groups, lr=s.lr, betas=(0.9, 0.95), eps=1e-8, fused=fused, foreach=foreach)
+    masters = s.optimizer_state == "float32" and any(p.dtype != torch.float32 for p in params)
+    return (MasterWeightAdamW if masters else torch.optim.AdamW)(groups, lr=s.lr, betas=(0.9, 0.95), eps=1e-8,
+                                                                 fused=fused, foreach=foreach)  # fmt: skip
 
 
 def lr_factor(step: int, total: int, s: TrainSettings) -> float:
@@ -299,8 +297,7 @@ class Loop:
 
 
 def train_epoch(loop: Loop, split: Split, state: TrainState) -> bool:
-    """The optimizer steps of one epoch, from where `state` stands; True when the epoch ran to its end (False when
-    the run's step limit came first)."""
+    """One epoch's optimizer steps from where `state` stands; True when it ran to its end (not the step limit)."""
     s, env = loop.s, loop.env
     batches = epoch_batches(len(split.ids), state.epoch, s, env)
     bar = tqdm(
