@@ -64,6 +64,7 @@ class Recipe:
     optimizer_state: str = "float32"  # fp32 master + moments (the runs' default); "param": moments in the param dtype
     gradient_checkpointing: bool = False
     world_size: int = 1  # DDP: a full replica per process; its gradients are kept between steps (bucket views)
+    shard: bool = False  # FSDP2 (--shard): every parameter, gradient and moment split across the world_size processes
     grad_accum: int = 1  # >1: gradients stay allocated through the next micro-batch's forward
     device_type: str = "cuda"  # "cuda": fused AdamW and the flash attention layout; "cpu": what CPU kernels do
     lora: LoRASettings | None = None  # adapters in the trained blocks, whose own weights and norms stay frozen
@@ -120,6 +121,32 @@ def count_parameters(
         largest_trainable=max((p.numel() for p in trainable), default=0),
         buffer_bytes=sum(b.numel() * FP32 for b in clf.backbone.buffers()),
     )
+
+
+def per_process(counts: ParamCounts, n: int) -> ParamCounts:
+    """What one of `n` processes holds of each count when every tensor is cut by rows (FSDP2): 1/n, rounded up.
+    A block and the embedding keep their whole size: that is what is gathered to compute them."""
+    scaled = ("total", "trainable", "block_trained", "down_trained", "largest_trainable", "head")
+    return dataclasses.replace(counts, **{f: -(-getattr(counts, f) // n) for f in scaled}) if n > 1 else counts
+
+
+def gathered_bytes(r: Recipe, counts: ParamCounts) -> tuple[int, int]:
+    """Sharded (FSDP2): whole parameters held beside the shards in forward and in backward (sharding.shard_model).
+
+    Forward: the block being computed and the next, prefetched (the embedding instead of the first, when it is a
+    group of its own). Backward: the same two blocks, and the block's whole gradient twice, in its dtype and in
+    float32 for the reduce-scatter (reduce_dtype); at the embedding, when it trains, its own. A tied embedding
+    lives in the root group with the head, gathered from the classifier's forward to the end of backward."""
+    if not r.shard:
+        return 0, 0
+    s, cfg = r.param_dtype.itemsize, r.cfg
+    block, reduce_grad = s * counts.block, (s + FP32) * counts.block_trained
+    if cfg.tie_embeddings:
+        root = s * (counts.embedding + counts.head + cfg.dim)
+        return root + 2 * block, root + 2 * block + reduce_grad
+    emb = s * counts.embedding
+    emb_grad = (s + FP32) * counts.embedding if r.train_last is None else 0
+    return max(emb, block) + block, max(2 * block + reduce_grad, emb + emb_grad)
 
 
 def shared_saved_bytes(r: Recipe, itemsize: int) -> dict[str, int]:
@@ -202,6 +229,7 @@ class MemoryPlan:
             "optimizer_state": r.optimizer_state,
             "gradient_checkpointing": r.gradient_checkpointing,
             "world_size": r.world_size,
+            "shard": r.shard,
             **{k: getattr(self, k) for k in ("weights", "gradients", "optimizer_state")},
             **{k: getattr(self, k) for k in ("activations", "forward_work", "backward_work", "step_work")},
             "frozen_forward": self.frozen_forward,
@@ -219,8 +247,10 @@ def optimizer_bytes(r: Recipe, counts) -> tuple[int, int]:
     master = r.optimizer_state == "float32" and s < FP32
     state_size = FP32 if r.optimizer_state == "float32" else s
     state = 2 * state_size * p + (FP32 * p if master else 0)
-    # fused AdamW on a GPU needs no temporaries; per-tensor AdamW (CPU) holds a few of the largest: sqrt(v), ...
-    temporaries = 0 if r.device_type == "cuda" else 3 * state_size * counts.largest_trainable
+    # fused AdamW on a GPU needs no temporaries; per-tensor AdamW (CPU, and sharded parameters anywhere) holds a few
+    # of the largest: sqrt(v), ...
+    per_tensor = r.device_type != "cuda" or r.shard
+    temporaries = 3 * state_size * counts.largest_trainable if per_tensor else 0
     if master:  # float32 gradients replace the low-precision ones, one tensor at a time
         return state, (FP32 - s) * p + temporaries
     return state, temporaries
@@ -268,7 +298,8 @@ def plan_memory(r: Recipe) -> MemoryPlan:
         r = dataclasses.replace(r, train_last=r.cfg.n_layers)
     cfg = dataclasses.replace(r.cfg, dtype=r.param_dtype)
     s = r.param_dtype.itemsize
-    counts = count_parameters(cfg, r.train_last, r.num_classes, r.lora)
+    whole = count_parameters(cfg, r.train_last, r.num_classes, r.lora)
+    counts = per_process(whole, r.world_size if r.shard else 1)  # what this process holds
     p = counts.trainable
     k = r.trained_blocks
     b, t = r.batch_size, r.seq_len
@@ -292,21 +323,26 @@ def plan_memory(r: Recipe) -> MemoryPlan:
     work = backward_work(cfg, b, t, s, r.device_type, r.lora is not None)
     # Gradients allocated through the forward: when accumulating (the earlier micro-batches' are there), and under
     # DDP, where they are views of its all-reduce buckets, zeroed between steps but never freed (distributed.wrap).
-    held = grads if r.grad_accum > 1 or r.world_size > 1 else 0
+    # Sharded (FSDP2), micro-batches before a step's last keep their gradients whole (unsharded) until it.
+    if r.shard:
+        held = s * whole.trainable if r.grad_accum > 1 else 0
+    else:
+        held = grads if r.grad_accum > 1 or r.world_size > 1 else 0
+    gathered_forward, gathered_backward = gathered_bytes(r, whole)
     backward = backward_peak(
         r, cfg, counts, activations, held, (last, kept_first, kept_per_block, full_first, full_rest)
     )
     phases = {
-        "frozen forward": frozen_work + held,
-        "forward": activations + fwd_work + held,
-        "backward": backward,
+        "frozen forward": frozen_work + held + gathered_forward,
+        "forward": activations + fwd_work + held + gathered_forward,
+        "backward": backward + gathered_backward,
         "optimizer step": grads + step_work,
     }
     if k == cfg.n_layers:
         del phases["frozen forward"]  # nothing is frozen
     return MemoryPlan(
         recipe=r,
-        counts=counts,
+        counts=whole,
         weights=s * counts.total + counts.buffer_bytes,
         gradients=grads,
         optimizer_state=optimizer_state,
