@@ -91,6 +91,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    "process holds a whole replica (DDP)")  # fmt: skip
     g.add_argument("--shard-group", type=int, metavar="G", help="with --shard: shard within groups of G processes "
                    "(a node's GPUs), replicas across groups (hybrid sharding; default: all processes)")  # fmt: skip
+    g.add_argument("--world-size", type=int, metavar="N", help="with --plan: plan for N processes (GPUs) (default: "
+                   "torchrun's WORLD_SIZE, else 1)")  # fmt: skip
     g.add_argument("--plan", action="store_true", help="print the memory each GPU needs for these settings and "
                    "whether it fits, then exit without loading data or weights")  # fmt: skip
     g.add_argument("--gpu-memory", type=float, metavar="GiB", help="GPU memory to check --plan against (default: "

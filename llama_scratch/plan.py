@@ -65,6 +65,7 @@ class Recipe:
     gradient_checkpointing: bool = False
     world_size: int = 1  # DDP: a full replica per process; its gradients are kept between steps (bucket views)
     shard: bool = False  # FSDP2 (--shard): every parameter, gradient and moment split across the world_size processes
+    shard_group: int | None = None  # hybrid sharding (--shard-group): split across this many, replicated beyond
     grad_accum: int = 1  # >1: gradients stay allocated through the next micro-batch's forward
     device_type: str = "cuda"  # "cuda": fused AdamW and the flash attention layout; "cpu": what CPU kernels do
     lora: LoRASettings | None = None  # adapters in the trained blocks, whose own weights and norms stay frozen
@@ -192,6 +193,7 @@ class MemoryPlan:
     step_work: int
     frozen_forward: int  # the transient peak of a frozen block's forward
     phases: dict[str, int] = field(default_factory=dict)
+    gathered: int = 0  # sharded: whole parameters (and gradients) held beside the shards at once, at most
 
     @property
     def persistent(self) -> int:
@@ -299,7 +301,7 @@ def plan_memory(r: Recipe) -> MemoryPlan:
     cfg = dataclasses.replace(r.cfg, dtype=r.param_dtype)
     s = r.param_dtype.itemsize
     whole = count_parameters(cfg, r.train_last, r.num_classes, r.lora)
-    counts = per_process(whole, r.world_size if r.shard else 1)  # what this process holds
+    counts = per_process(whole, (r.shard_group or r.world_size) if r.shard else 1)  # what this process holds
     p = counts.trainable
     k = r.trained_blocks
     b, t = r.batch_size, r.seq_len
@@ -354,4 +356,19 @@ def plan_memory(r: Recipe) -> MemoryPlan:
         step_work=step_work,
         frozen_forward=frozen_work if k < cfg.n_layers else 0,
         phases=phases,
+        gathered=max(gathered_forward, gathered_backward),
     )
+
+
+def smallest_world(r: Recipe, gpu_bytes: int, most: int = 1024) -> int | None:
+    """The fewest processes (GPUs) over which the recipe, sharded, fits `gpu_bytes` each: 2, 4, 8, then whole
+    nodes of 8 (bisection: each process's share only shrinks as processes are added). None: not even `most`."""
+    sizes = [2, 4, 8, *range(16, most + 1, 8)]
+    lo, hi, best = 0, len(sizes) - 1, None
+    while lo <= hi:
+        mid = (lo + hi) // 2
+        if plan_memory(dataclasses.replace(r, shard=True, world_size=sizes[mid])).fits(gpu_bytes):
+            best, hi = sizes[mid], mid - 1
+        else:
+            lo = mid + 1
+    return best

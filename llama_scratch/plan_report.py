@@ -15,7 +15,7 @@ import torch
 
 from .config import PRESETS, parse_dtype
 from .lora import LoRASettings
-from .plan import FP32, GiB, MemoryPlan, Recipe, plan_memory, with_margin
+from .plan import FP32, GiB, MemoryPlan, Recipe, plan_memory, smallest_world, with_margin
 from .sources import config_of
 
 SCRATCH_PRESETS = ("tiny",)  # presets with no published checkpoint: only ever trained from random weights
@@ -55,7 +55,8 @@ def format_plan(plan: MemoryPlan, gpu: tuple[str, int] | None = None) -> str:
     parts = f"{c.backbone:,} backbone + " + (f"{adapters:,} LoRA adapters + " if adapters else "") + f"{c.head:,} head"
     lines = [
         f"Memory plan per GPU: batch {r.batch_size} x {r.seq_len} tokens, train {trained}{ckpt}, {dtype}, "
-        f"world size {r.world_size}",
+        f"world size {r.world_size}"
+        + (f", sharded (FSDP2) across {r.shard_group or r.world_size}" if r.shard else ""),  # fmt: skip
         f"  parameters {c.total:,} ({parts}); training {c.trainable:,}",
         "",
         f"  {'part':<28}{'size':>13}   what",
@@ -64,9 +65,12 @@ def format_plan(plan: MemoryPlan, gpu: tuple[str, int] | None = None) -> str:
     def row(name: str, n: int, what: str) -> None:
         lines.append(f"  {name:<28}{_gib(n)}   {what}")
 
-    row("weights", plan.weights, f"{c.total:,} x {s} B + rotary tables")
-    row("optimizer state", plan.optimizer_state, f"{state}, {c.trainable:,} trained parameters")
-    if r.world_size > 1:
+    share = f" / {r.shard_group or r.world_size} processes" if r.shard else ""
+    row("weights", plan.weights, f"{c.total:,} x {s} B{share} + rotary tables")
+    row("optimizer state", plan.optimizer_state, f"{state}, {c.trainable:,} trained parameters{share}")
+    if r.shard:
+        kept = f"this process's rows{share}, reduce-scattered in float32"
+    elif r.world_size > 1:
         kept = "views of DDP's all-reduce buckets, kept between steps"
     elif r.grad_accum > 1:
         kept = "kept while micro-batches accumulate"
@@ -85,6 +89,8 @@ def format_plan(plan: MemoryPlan, gpu: tuple[str, int] | None = None) -> str:
     if plan.frozen_forward:
         frozen = r.cfg.n_layers - r.trained_blocks
         row("frozen forward temporaries", plan.frozen_forward, f"{frozen} frozen block(s) save nothing; one at a time")
+    if plan.gathered:
+        row("gathered, at most", plan.gathered, "whole blocks (computed + prefetched) and a block's whole gradient")
     what = "a checkpointed block runs like a frozen one" if r.gradient_checkpointing else "float32 rotary arithmetic"
     row("forward temporaries", plan.forward_work, f"beyond the saved tensors: {what}")
     row("backward temporaries", plan.backward_work, "gradients of one block's activations")
@@ -237,10 +243,7 @@ def advise(plan: MemoryPlan, gpu_bytes: int) -> Advice:
         dtype = str(r.param_dtype).removeprefix("torch.")
         problem = _exceeds(f"the {dtype} weights alone", plan.weights, gpu_bytes)
         tried = [({"dtype": torch.bfloat16}, _replan(r, {"dtype": torch.bfloat16}))] if dtype == "float32" else []
-        note = (
-            "nothing in this version can help on one GPU: sharding across GPUs (FSDP, not yet available) is needed; "
-            "DDP keeps a whole copy per GPU"
-        )
+        note = "no setting helps on one GPU or under DDP (a whole copy per GPU): shard it across GPUs (--shard)"
     elif stage == STAGES[1]:
         fixed = plan.persistent + plan.phases["optimizer step"]
         problem = _exceeds("the weights, optimizer state and gradients", fixed, gpu_bytes) + ", before activations"
@@ -256,6 +259,8 @@ def advise(plan: MemoryPlan, gpu_bytes: int) -> Advice:
         return Advice("nothing: it fits")
     tried = [(c, p) for c, p in tried if _flags(r, c)]
     options = [(_flags(r, c), p.required()) for c, p in tried if p.fits(gpu_bytes)]
+    if stage in STAGES[:2] and (sharded := shard_option(plan, gpu_bytes)):
+        options.append(sharded)
     if options or not tried:
         return Advice(problem, options, note="" if options else note)
     changes, best = min(tried, key=lambda t: t[1].required())
@@ -266,6 +271,18 @@ def advise(plan: MemoryPlan, gpu_bytes: int) -> Advice:
     options = [(f"{flags} {f}", n) for f, n in rest.options]
     closest = (f"{flags} {rest.closest[0]}", rest.closest[1]) if rest.closest else (flags, best.required())
     return Advice(problem, options, None if options else closest, rest.note)
+
+
+def shard_option(plan: MemoryPlan, gpu_bytes: int) -> tuple[str, int] | None:
+    """Sharding as an option: the fewest GPUs over which `--shard` fits, as flags and the memory each then needs."""
+    r = plan.recipe
+    n = smallest_world(dataclasses.replace(r, shard_group=None), gpu_bytes)
+    if r.shard and n is not None and n <= r.world_size:
+        return None
+    if n is None:
+        return None
+    return f"--shard on {n} GPUs (torchrun, {n} processes)", _replan(r, {"shard": True, "world_size": n,
+                                                                          "shard_group": None}).required()  # fmt: skip
 
 
 def advice_lines(advice: Advice) -> list[str]:
@@ -333,7 +350,9 @@ def plan_command(args, train_last: int | None, lora: LoRASettings | None = None)
         dtype=dtype,
         optimizer_state=args.optimizer_state,
         gradient_checkpointing=args.gradient_checkpointing,
-        world_size=int(os.environ.get("WORLD_SIZE", 1)),
+        world_size=args.world_size or int(os.environ.get("WORLD_SIZE", 1)),
+        shard=args.shard,
+        shard_group=args.shard_group,
         grad_accum=args.grad_accum,
         device_type="cuda" if on_gpu else "cpu",
         lora=lora,

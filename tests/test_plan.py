@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from llama_scratch import Llama, LlamaClassifier, LlamaConfig
 from llama_scratch import finetune_classifier as command
 from llama_scratch.lora import LoRASettings
-from llama_scratch.plan import Recipe, count_parameters, plan_memory, with_margin
+from llama_scratch.plan import GiB, Recipe, count_parameters, plan_memory, with_margin
 from llama_scratch.plan_report import format_plan
 from llama_scratch.train import TrainSettings, make_optimizer
 
@@ -220,14 +220,19 @@ def suggested(out: str) -> list[list[str]]:
 
 
 def test_plan_that_does_not_fit_exits_2_and_names_the_weights_first(capsys):
-    """70B in bfloat16 is 131 GiB of weights: no option of one process helps, so none is offered."""
+    """70B in bfloat16 is 131 GiB of weights: no option of one process helps; sharding over the fewest GPUs that
+    fit is offered, and that option, planned again, fits."""
     code = command.main(["--model", "llama3-70b", "--plan", "--gpu-memory", "80"])
     captured = capsys.readouterr()
     out = captured.out
     assert code == 2 and "error: the plan needs" in captured.err
     first = "the first part that does not fit: the bfloat16 weights alone (131.4 GiB) exceed the GPU's 80 GiB"
-    assert first in out and "FSDP" in out
-    assert suggested(out) == [] and "--gradient-checkpointing" not in out and "--batch-size" not in out
+    assert first in out and "--shard" in out
+    assert "--gradient-checkpointing" not in out and "--batch-size" not in out
+    n = int(re.search(r"--shard on (\d+) GPUs", out).group(1))
+    r = Recipe(LlamaConfig.from_name("llama3-70b"), 8, 512, train_last=2, dtype=torch.bfloat16, shard=True)
+    assert plan_memory(dataclasses.replace(r, world_size=n)).fits(80 * GiB)
+    assert not plan_memory(dataclasses.replace(r, world_size=n // 2)).fits(80 * GiB)
 
 
 def test_activations_that_do_not_fit_get_options_that_fit(capsys):
