@@ -57,7 +57,7 @@ BUILDS = {
     6: MODEL,  # every weight
     7: ("final_norm", "head"),
     8: ("attn_norm", "attention", "attn_add", "ffn_norm", "ffn", "ffn_add", "final_norm", "head"),  # the top blocks
-    9: EVERYTHING,  # the whole training run, copied on each GPU
+    9: EVERYTHING,  # the whole training run, copied on each GPU or sharded across them
     10: ("attention", "head"),  # the key/value cache and the next-token head
     11: ("attention", "ffn"),  # adapters on the seven projections
 }

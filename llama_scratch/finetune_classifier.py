@@ -30,8 +30,8 @@ from .evaluation import evaluate, per_class, warn_if_one_class
 from .finetune_args import parse_args
 from .interrupts import sigterm_as_ctrl_c
 from .lora import TARGETS, LoRASettings
-from .plan import count_parameters
-from .plan_report import plan_command, plans_from_scratch
+from .plan import Recipe, count_parameters
+from .plan_report import detect_gpu, plan_command, plans_from_scratch, refuse_unfit_replica
 from .prefix_cache import cache_splits, use_cache
 from .run_dir import (
     BEST_FILE,
@@ -45,6 +45,7 @@ from .run_dir import (
 )
 from .sources import (
     chosen_train_last,
+    config_of,
     default_model,
     is_repo_id,
     load_model,
@@ -171,6 +172,15 @@ def lora_settings(args: argparse.Namespace, from_scratch: bool) -> LoRASettings 
     return LoRASettings(args.lora, args.lora_alpha, args.lora_dropout or 0.0, targets)
 
 
+def replica_recipe(job: Job) -> Recipe:
+    """The run as the memory plan sees it, before the texts' length is known (512 tokens, as --plan assumes)."""
+    args, choice = job.args, job.choice
+    return Recipe(cfg=config_of(choice.ref), batch_size=args.batch_size, seq_len=args.max_length or 512,
+                  train_last=choice.train_last, dtype=choice.dtype, optimizer_state=args.optimizer_state,
+                  gradient_checkpointing=args.gradient_checkpointing, world_size=job.env.world_size,
+                  grad_accum=args.grad_accum, device_type=job.device.type, lora=choice.lora)  # fmt: skip
+
+
 def build_classifier(job: Job, log) -> tuple[LlamaClassifier, Tokenizer, str]:
     """The classifier with its backbone streamed onto the device (under --shard, each process's rows of it), and
     the tokenizer that belongs to it."""
@@ -229,6 +239,8 @@ def run(args: argparse.Namespace) -> dict:
     log(f"output: {out}/")
     check_output(out, args.resume, args.overwrite)  # before anything is loaded or written
     job = Job(args, env, device, started, data, parts, protocol, choice, out)
+    if device.type == "cuda" and env.enabled and not job.sharded:  # before a replica that cannot fit is loaded
+        refuse_unfit_replica(replica_recipe(job), detect_gpu(), choice.ref)
     clf, tokenizer, tokenizer_ref = build_classifier(job, log)
     splits, max_length = tokenize(parts, tokenizer, clf.backbone.cfg.max_seq_len, args.max_length, log)
     settings = recipe(args, choice.from_scratch, parts["train"].labels, data.num_classes, env, log)

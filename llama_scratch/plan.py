@@ -134,20 +134,24 @@ def per_process(counts: ParamCounts, n: int) -> ParamCounts:
 def gathered_bytes(r: Recipe, counts: ParamCounts) -> tuple[int, int]:
     """Sharded (FSDP2): whole parameters held beside the shards in forward and in backward (sharding.shard_model).
 
-    Forward: the block being computed and the next, prefetched (the embedding instead of the first, when it is a
-    group of its own). Backward: the same two blocks, and the block's whole gradient twice, in its dtype and in
-    float32 for the reduce-scatter (reduce_dtype); at the embedding, when it trains, its own. A tied embedding
-    lives in the root group with the head, gathered from the classifier's forward to the end of backward."""
+    A group (a block, an untied embedding, the root) is gathered into one buffer and then copied out into its
+    parameters: twice its size for a moment. Forward: the block being computed, and the next one, prefetched, in
+    that moment (the embedding first, when it is a group of its own). Backward: the same, then the block's whole
+    gradient beside it, and once the block is freed, that gradient in float32 too, for the reduce-scatter. A tied embedding lives in
+    the root group with the head: gathered from the classifier's forward to the end of backward, its gradient
+    reduced last, after the root's parameters are freed."""
     if not r.shard:
         return 0, 0
     s, cfg = r.param_dtype.itemsize, r.cfg
-    block, reduce_grad = s * counts.block, (s + FP32) * counts.block_trained
+    block, grad = s * counts.block, s * counts.block_trained
+    # gathering the next block beside this one; this block's gradient beside both; once freed, the gradient in float32
+    blocks = max(3 * block, 2 * block + grad, block + (s + FP32) * counts.block_trained)
+    emb_trained = counts.embedding if r.train_last is None else 0
     if cfg.tie_embeddings:
         root = s * (counts.embedding + counts.head + cfg.dim)
-        return root + 2 * block, root + 2 * block + reduce_grad
+        return max(2 * root, root + 3 * block), max(root + blocks, (s + FP32) * emb_trained)
     emb = s * counts.embedding
-    emb_grad = (s + FP32) * counts.embedding if r.train_last is None else 0
-    return max(emb, block) + block, max(2 * block + reduce_grad, emb + emb_grad)
+    return max(2 * emb, emb + 2 * block, 3 * block), max(blocks, emb + s * emb_trained, (s + FP32) * emb_trained)
 
 
 def shared_saved_bytes(r: Recipe, itemsize: int) -> dict[str, int]:
@@ -294,6 +298,15 @@ def backward_peak(r: Recipe, cfg: LlamaConfig, counts, activations: int, held: i
     return max(peak, alive + grads)  # the embedding's gradient, when everything trains
 
 
+def held_gradients(r: Recipe, whole: int, mine: int) -> int:
+    """Gradients allocated through the forward: when accumulating (the earlier micro-batches' are there), and under
+    DDP, where they are views of its all-reduce buckets, zeroed between steps but never freed (distributed.wrap).
+    Sharded, the micro-batches before a step's last keep theirs whole (unsharded) until it: `whole`, not `mine`."""
+    if r.shard:
+        return whole if r.grad_accum > 1 else 0
+    return mine if r.grad_accum > 1 or r.world_size > 1 else 0
+
+
 def plan_memory(r: Recipe) -> MemoryPlan:
     """Bytes one process needs for the recipe, part by part, and its peak."""
     if r.lora is not None and r.train_last is None:  # adapters in every block; the embedding stays frozen
@@ -323,13 +336,7 @@ def plan_memory(r: Recipe) -> MemoryPlan:
     # A checkpointed block's forward runs like a frozen one: its internals are temporaries.
     fwd_work = frozen_work if r.gradient_checkpointing else trained_forward_work(cfg, b, t)
     work = backward_work(cfg, b, t, s, r.device_type, r.lora is not None)
-    # Gradients allocated through the forward: when accumulating (the earlier micro-batches' are there), and under
-    # DDP, where they are views of its all-reduce buckets, zeroed between steps but never freed (distributed.wrap).
-    # Sharded (FSDP2), micro-batches before a step's last keep their gradients whole (unsharded) until it.
-    if r.shard:
-        held = s * whole.trainable if r.grad_accum > 1 else 0
-    else:
-        held = grads if r.grad_accum > 1 or r.world_size > 1 else 0
+    held = held_gradients(r, s * whole.trainable, grads)
     gathered_forward, gathered_backward = gathered_bytes(r, whole)
     backward = backward_peak(
         r, cfg, counts, activations, held, (last, kept_first, kept_per_block, full_first, full_rest)

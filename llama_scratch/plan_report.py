@@ -68,15 +68,7 @@ def format_plan(plan: MemoryPlan, gpu: tuple[str, int] | None = None) -> str:
     share = f" / {r.shard_group or r.world_size} processes" if r.shard else ""
     row("weights", plan.weights, f"{c.total:,} x {s} B{share} + rotary tables")
     row("optimizer state", plan.optimizer_state, f"{state}, {c.trainable:,} trained parameters{share}")
-    if r.shard:
-        kept = f"this process's rows{share}, reduce-scattered in float32"
-    elif r.world_size > 1:
-        kept = "views of DDP's all-reduce buckets, kept between steps"
-    elif r.grad_accum > 1:
-        kept = "kept while micro-batches accumulate"
-    else:
-        kept = "from backward to the optimizer step"
-    row("gradients", plan.gradients, f"{c.trainable:,} x {s} B, {kept}")
+    row("gradients", plan.gradients, f"{c.trainable:,} x {s} B, {gradients_note(r, share)}")
     k = r.trained_blocks
     if k > 1:
         each = "inputs only" if r.gradient_checkpointing else f"{plan.block_activations / GiB:.2f} GiB each"
@@ -109,6 +101,14 @@ def format_plan(plan: MemoryPlan, gpu: tuple[str, int] | None = None) -> str:
     nccl = f" + {plan.collectives / GiB:.2f} GiB (NCCL buffers, several GPUs)" if plan.collectives else ""
     row("needed", plan.required(), f"peak + 5% + 0.5 GiB (CUDA context, allocator fragmentation){nccl}")
     return "\n".join(lines + verdict_lines(plan, gpu))
+
+
+def gradients_note(r: Recipe, share: str) -> str:
+    if r.shard:
+        return f"this process's rows{share}, reduce-scattered in float32"
+    if r.world_size > 1:
+        return "views of DDP's all-reduce buckets, kept between steps"
+    return "kept while micro-batches accumulate" if r.grad_accum > 1 else "from backward to the optimizer step"
 
 
 def verdict_lines(plan: MemoryPlan, gpu: tuple[str, int] | None) -> list[str]:
@@ -283,6 +283,22 @@ def shard_option(plan: MemoryPlan, gpu_bytes: int) -> tuple[str, int] | None:
         return None
     return f"--shard on {n} GPUs (torchrun, {n} processes)", _replan(r, {"shard": True, "world_size": n,
                                                                           "shard_group": None}).required()  # fmt: skip
+
+
+def refuse_unfit_replica(r: Recipe, gpu: tuple[str, int], model_ref: str) -> None:
+    """Before a DDP run loads anything: when a whole replica's weights, optimizer state and gradients cannot fit
+    the GPU, stop with one line naming --shard (and the fewest GPUs it fits on), instead of running out of memory
+    minutes later. Activations depend on the texts' length, not yet known here: those are left to --plan."""
+    plan = plan_memory(r)
+    if misfit(plan, gpu[1]) not in STAGES[:2]:
+        return
+    n = smallest_world(r, gpu[1])
+    where = f" (planned to fit from {n} GPUs)" if n else ""
+    raise PlanDoesNotFit(
+        f"{model_ref}: every process would hold a whole replica (DDP), whose weights, optimizer state and gradients "
+        f"need {_size(with_margin(plan.persistent + plan.phases['optimizer step']))}, more than {gpu[0]}'s "
+        f"{_size(gpu[1])}: add --shard to share them out across the processes{where}; --plan shows the figures"
+    )
 
 
 def advice_lines(advice: Advice) -> list[str]:

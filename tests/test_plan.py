@@ -325,3 +325,14 @@ def test_several_gpus_reserve_room_for_nccl(capsys):
     assert cpu.required() == with_margin(cpu.peak)
     assert "NCCL buffers" in format_plan(ddp, ("NVIDIA H100 80GB HBM3", 80 * 2**30))
     assert "NCCL" not in format_plan(alone, ("NVIDIA H100 80GB HBM3", 80 * 2**30))
+
+
+def test_a_ddp_replica_that_cannot_fit_is_refused_naming_shard():
+    """Under torchrun on GPUs, before anything loads: 70B's replica cannot fit 80 GiB, and the error names --shard
+    and the fewest GPUs the sharded plan fits on; 8B with its last 2 blocks trained fits and passes."""
+    from llama_scratch.plan_report import PlanDoesNotFit, refuse_unfit_replica
+
+    r = Recipe(LlamaConfig.from_name("llama3-70b"), 4, 512, train_last=2, dtype=torch.bfloat16, world_size=8)
+    with pytest.raises(PlanDoesNotFit, match=r"add --shard .*planned to fit from (\d+) GPUs"):
+        refuse_unfit_replica(r, ("H100", 80 * GiB), "llama3-70b")
+    refuse_unfit_replica(dataclasses.replace(r, cfg=LlamaConfig.from_name("llama3-8b")), ("H100", 80 * GiB), "8b")
