@@ -1,7 +1,7 @@
 """One real training step of a full-size model, sharded across many simulated processes, in one process on a CPU.
 
     python benchmarks/simulate_scale.py --model llama3-70b --world-size 64 --train-last all --gradient-checkpointing
-    python benchmarks/simulate_scale.py --model llama3-8b --world-size 8 --train-last all --gradient-checkpointing --json
+    python benchmarks/simulate_scale.py --model llama3-8b --world-size 8 --train-last 2 --json
 
 How: a fake process group (backend "fake": every collective returns at once, moving nothing) stands in for
 `--world-size` processes, and fake tensors (`FakeTensorMode`: shapes, dtypes and devices, no storage) stand in for
@@ -115,13 +115,18 @@ def main(argv: list[str] | None = None) -> int:
     plan = plan_memory(recipe_of(args, "cpu"))
     gpu_plan = plan_memory(recipe_of(args, "cuda"))
     ratio = sim["simulated_peak"] / plan.peak
-    what = f"{args.model}, {args.world_size} processes, train-last {args.train_last}" + (
-        ", checkpointing" if args.gradient_checkpointing else "") + (f", LoRA {args.lora}" if args.lora else "")
+    what = (
+        f"{args.model}, {args.world_size} processes, train-last {args.train_last}"
+        + (", checkpointing" if args.gradient_checkpointing else "")
+        + (f", LoRA {args.lora}" if args.lora else "")
+    )
     print(what)
     print(f"  simulated peak per process {sim['simulated_peak'] / GiB:7.2f} GiB  ({sim['seconds']:.1f} s)")
     print(f"  plan peak per process      {plan.peak / GiB:7.2f} GiB  (ratio simulated / plan {ratio:.3f})")
-    print(f"  plan for a GPU: peak {gpu_plan.peak / GiB:.2f} GiB, required with margins {gpu_plan.required() / GiB:.2f}"
-          f" GiB: {'fits' if gpu_plan.fits(int(args.gpu_memory * GiB)) else 'does not fit'} {args.gpu_memory:g} GiB")
+    print(
+        f"  plan for a GPU: peak {gpu_plan.peak / GiB:.2f} GiB, required with margins {gpu_plan.required() / GiB:.2f}"
+        f" GiB: {'fits' if gpu_plan.fits(int(args.gpu_memory * GiB)) else 'does not fit'} {args.gpu_memory:g} GiB"
+    )
     if args.json:
         print(json.dumps({
             "model": args.model, "world_size": args.world_size, "train_last": args.train_last,

@@ -137,9 +137,9 @@ def gathered_bytes(r: Recipe, counts: ParamCounts) -> tuple[int, int]:
     A group (a block, an untied embedding, the root) is gathered into one buffer and then copied out into its
     parameters: twice its size for a moment. Forward: the block being computed, and the next one, prefetched, in
     that moment (the embedding first, when it is a group of its own). Backward: the same, then the block's whole
-    gradient beside it, and once the block is freed, that gradient in float32 too, for the reduce-scatter. A tied embedding lives in
-    the root group with the head: gathered from the classifier's forward to the end of backward, its gradient
-    reduced last, after the root's parameters are freed."""
+    gradient beside it, and once the block is freed, that gradient in float32 too, for the reduce-scatter. A tied
+    embedding lives in the root group with the head: gathered from the classifier's forward to the end of
+    backward, its gradient reduced last, after the root's parameters are freed."""
     if not r.shard:
         return 0, 0
     s, cfg = r.param_dtype.itemsize, r.cfg
