@@ -137,15 +137,16 @@ def gathered_bytes(r: Recipe, counts: ParamCounts) -> tuple[int, int]:
     A group (a block, an untied embedding, the root) is gathered into one buffer and then copied out into its
     parameters: twice its size for a moment. Forward: the block being computed, and the next one, prefetched, in
     that moment (the embedding first, when it is a group of its own). Backward: the same, then the block's whole
-    gradient beside it, and once the block is freed, that gradient in float32 too, for the reduce-scatter. A tied
+    gradient beside both, in its dtype and in float32 for the reduce-scatter (the simulation says the block is
+    still there; benchmarks/simulate_scale.py). A tied
     embedding lives in the root group with the head: gathered from the classifier's forward to the end of
     backward, its gradient reduced last, after the root's parameters are freed."""
     if not r.shard:
         return 0, 0
     s, cfg = r.param_dtype.itemsize, r.cfg
     block, grad = s * counts.block, s * counts.block_trained
-    # gathering the next block beside this one; this block's gradient beside both; once freed, the gradient in float32
-    blocks = max(3 * block, 2 * block + grad, block + (s + FP32) * counts.block_trained)
+    # gathering the next block beside this one; or both, and this block's gradient in its dtype and in float32
+    blocks = max(3 * block, 2 * block + grad + FP32 * counts.block_trained)
     emb_trained = counts.embedding if r.train_last is None else 0
     if cfg.tie_embeddings:
         root = s * (counts.embedding + counts.head + cfg.dim)
