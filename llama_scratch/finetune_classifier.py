@@ -248,6 +248,8 @@ def run(args: argparse.Namespace) -> dict:
     log(f"training {n_train:,} of {sum(p.numel() for p in clf.parameters()):,} parameters on {device} in "
         f"{choice.dtype}" + (f", sharded across {env.world_size} processes" if job.sharded else ""))  # fmt: skip
     cache = "off" if job.sharded else args.cache_frozen  # each process holds only rows of the frozen blocks
+    if job.sharded and args.cache_frozen == "on":
+        log("--cache-frozen on: not under --shard (each process holds rows of the frozen blocks, not whole ones)")
     if use_cache(cache, clf, {k: v.ids for k, v in splits.items()}, device, env, log):
         splits = cache_splits(clf, splits, settings.eval_rows, env)
     if args.compile:
