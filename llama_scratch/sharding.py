@@ -21,18 +21,16 @@ import json
 import math
 import re
 import shutil
+import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 import torch.distributed as dist
 from safetensors import safe_open
 from torch import nn
-from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
-from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
-from torch.distributed.tensor import DTensor, Shard
 from tqdm.auto import tqdm
 
 from . import distributed
@@ -48,11 +46,25 @@ from .resume import ResumeError
 from .sources import load_model, trains_from_scratch
 from .weights import CheckpointError, LoadReport, match_tensors
 
+if TYPE_CHECKING:
+    from torch.distributed.device_mesh import DeviceMesh
+
+# torch.distributed.fsdp and torch.distributed.tensor are imported where they are used: together they add about a
+# second to every command's start, which runs that shard nothing need not pay (is_dtensor).
+
+
+def is_dtensor(t) -> bool:
+    """Whether `t` is sharded (a DTensor). Nothing is one unless the distributed-tensor package was imported."""
+    module = sys.modules.get("torch.distributed.tensor")
+    return module is not None and isinstance(t, module.DTensor)
+
 
 def make_mesh(env: Dist, device: torch.device, shard_group: int | None = None) -> DeviceMesh:
     """The processes as a device mesh: one dimension ("shard") of all N, or with `shard_group` G a 2-D mesh of
     N / G replicas x G shards (hybrid sharding: shards within a node of G GPUs over its fast links, replicas across
     nodes, whose links only carry the gradient all-reduce)."""
+    from torch.distributed.device_mesh import init_device_mesh
+
     if shard_group is None or shard_group == env.world_size:
         return init_device_mesh(device.type, (env.world_size,), mesh_dim_names=("shard",))
     if shard_group < 1 or env.world_size % shard_group:
@@ -69,6 +81,8 @@ def shard_model(clf: LlamaClassifier, mesh: DeviceMesh, reduce_dtype: torch.dtyp
     gradients are reduced in `reduce_dtype` (float32: a sum of N bfloat16 gradients would lose the small ones),
     then kept in the parameter's dtype, where the optimizer's float32 masters (optim.py) pick them up.
     """
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
     policy = MixedPrecisionPolicy(param_dtype=None, reduce_dtype=reduce_dtype)
     backbone = clf.backbone
     # Untied, the embedding goes on its own, so that it is gathered only around its own forward and backward, and so
@@ -104,20 +118,24 @@ def reshard(model: nn.Module) -> None:
     """Free every gathered parameter, leaving each process its rows. Needed after a forward without backward
     (evaluation): FSDP2 keeps the root's parameters gathered after its forward, for the backward it expects, and
     meanwhile `named_parameters` lists those whole tensors instead of the shards."""
+    from torch.distributed.fsdp import FSDPModule
+
     for m in model.modules():
         if isinstance(m, FSDPModule):
             m.reshard()
 
 
 def is_sharded(model: nn.Module) -> bool:
-    return any(isinstance(p, DTensor) for p in model.parameters())
+    return any(is_dtensor(p) for p in model.parameters())
 
 
 def local_rows(t: torch.Tensor) -> tuple[int, int]:
     """The rows [start, stop) of the full tensor that this process holds (all of them for a plain tensor)."""
     n = t.shape[0]
-    if not isinstance(t, DTensor):
+    if not is_dtensor(t):
         return 0, n
+    from torch.distributed.tensor import Shard
+
     start, stop = 0, n
     for dim, placement in enumerate(t.placements):
         if isinstance(placement, Shard):
@@ -131,7 +149,7 @@ def local_rows(t: torch.Tensor) -> tuple[int, int]:
 
 def local(t: torch.Tensor) -> torch.Tensor:
     """This process's part of `t`: its rows for a DTensor, `t` itself otherwise."""
-    return t.to_local() if isinstance(t, DTensor) else t
+    return t.to_local() if is_dtensor(t) else t
 
 
 @torch.no_grad()
@@ -207,7 +225,7 @@ def resident_bytes(model: nn.Module) -> int:
 
 def full_tensor(t: torch.Tensor) -> torch.Tensor:
     """The whole tensor, gathered from every process's rows (a collective: every process must call it)."""
-    return t.full_tensor() if isinstance(t, DTensor) else t
+    return t.full_tensor() if is_dtensor(t) else t
 
 
 def gathered(named: dict[str, torch.Tensor], env: Dist):
@@ -234,21 +252,12 @@ def scatter_from_main(named: dict[str, torch.Tensor], source: Callable[[str], to
         del whole
 
 
-def to_local_state(value):
-    """A state (nested dicts, lists) with every DTensor replaced by this process's part: what a process saves."""
-    if isinstance(value, DTensor):
-        return value.to_local()
-    if isinstance(value, dict):
-        return {k: to_local_state(v) for k, v in value.items()}
-    if isinstance(value, list | tuple):
-        return type(value)(to_local_state(v) for v in value)
-    return value
-
-
 def like_param(value: torch.Tensor, param: torch.Tensor) -> torch.Tensor:
     """A saved local part made a DTensor again, sharded like `param` (plain tensors and scalars pass through)."""
-    if not isinstance(param, DTensor) or isinstance(value, DTensor) or value.shape != local(param).shape:
+    if not is_dtensor(param) or is_dtensor(value) or value.shape != local(param).shape:
         return value
+    from torch.distributed.tensor import DTensor
+
     return DTensor.from_local(value, param.device_mesh, param.placements, shape=param.shape, stride=param.stride())
 
 

@@ -15,7 +15,6 @@ from typing import ClassVar
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.distributed.tensor import DTensor
 from torch.utils.data import DistributedSampler
 from tqdm.auto import tqdm
 
@@ -140,7 +139,7 @@ def make_optimizer(model: nn.Module, s: TrainSettings) -> torch.optim.AdamW:
     decay = [p for p in params if p.ndim >= 2]
     no_decay = [p for p in params if p.ndim < 2]
     groups = [{"params": decay, "weight_decay": s.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
-    sharded = any(isinstance(p, DTensor) for p in params)
+    sharded = any(sharding.is_dtensor(p) for p in params)
     fused, foreach = (None, False) if sharded else (True if params and all(p.is_cuda for p in params) else None, None)
     masters = s.optimizer_state == "float32" and any(p.dtype != torch.float32 for p in params)
     return (MasterWeightAdamW if masters else torch.optim.AdamW)(groups, lr=s.lr, betas=(0.9, 0.95), eps=1e-8,
