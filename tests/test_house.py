@@ -7,7 +7,9 @@ from pathlib import Path
 PACKAGE = Path(__file__).resolve().parent.parent / "llama_scratch"
 # Imported inside a function on purpose, each for a reason its code states: matplotlib costs half a second at start;
 # pyarrow is optional (the `parquet` extra), needed only for a Parquet file.
+# Optional packages, and FSDP's (about a second of start-up that runs which shard nothing skip: sharding.py).
 DEFERRED = {"matplotlib", "matplotlib.pyplot", "pyarrow.parquet"}
+DEFERRED |= {"torch.distributed.device_mesh", "torch.distributed.fsdp", "torch.distributed.tensor"}
 
 
 def imports() -> dict[str, tuple[set[str], set[str]]]:
