@@ -93,6 +93,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    "(a node's GPUs), replicas across groups (hybrid sharding; default: all processes)")  # fmt: skip
     g.add_argument("--world-size", type=int, metavar="N", help="with --plan: plan for N processes (GPUs) (default: "
                    "torchrun's WORLD_SIZE, else 1)")  # fmt: skip
+    g.add_argument("--nodes", type=int, default=1, metavar="M", help="with --plan: the --world-size processes run on M "
+                   "machines, as many on each (torchrun --nnodes); the fewest GPUs that fit are then counted in whole "
+                   "nodes of that size (default: 1; beyond one node of 8, in nodes of 8)")  # fmt: skip
     g.add_argument("--plan", action="store_true", help="print the memory each GPU needs for these settings and "
                    "whether it fits, then exit without loading data or weights")  # fmt: skip
     g.add_argument("--gpu-memory", type=float, metavar="GiB", help="GPU memory to check --plan against (default: "

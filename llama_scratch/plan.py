@@ -64,6 +64,7 @@ class Recipe:
     optimizer_state: str = "float32"  # fp32 master + moments (the runs' default); "param": moments in the param dtype
     gradient_checkpointing: bool = False
     world_size: int = 1  # DDP: a full replica per process; its gradients are kept between steps (bucket views)
+    nodes: int = 1  # machines the world_size processes run on, as many on each (torchrun --nnodes)
     shard: bool = False  # FSDP2 (--shard): every parameter, gradient and moment split across the world_size processes
     shard_group: int | None = None  # hybrid sharding (--shard-group): split across this many, replicated beyond
     grad_accum: int = 1  # >1: gradients stay allocated through the next micro-batch's forward
@@ -75,6 +76,16 @@ class Recipe:
             raise ValueError(f"optimizer_state must be one of {OPTIMIZER_STATES}, got {self.optimizer_state!r}")
         if self.batch_size < 1 or self.seq_len < 1:
             raise ValueError(f"batch size and sequence length must be positive, got {self.batch_size}, {self.seq_len}")
+        if self.nodes < 1 or self.world_size < 1 or self.world_size % self.nodes:
+            raise ValueError(
+                f"world size {self.world_size} must be a positive multiple of the {self.nodes} node(s): as many "
+                "processes on each node"
+            )
+
+    @property
+    def per_node(self) -> int:
+        """Processes (GPUs) on each node."""
+        return self.world_size // self.nodes
 
     @property
     def param_dtype(self) -> torch.dtype:
@@ -102,33 +113,41 @@ class ParamCounts:
 
 
 def count_parameters(
-    cfg: LlamaConfig, train_last: int | None = 1, num_classes: int = 2, lora: LoRASettings | None = None
+    cfg: LlamaConfig,
+    train_last: int | None = 1,
+    num_classes: int = 2,
+    lora: LoRASettings | None = None,
+    shards: int = 1,
 ) -> ParamCounts:
-    """Build the classifier on the meta device (no memory) and count what it holds and what trains."""
+    """Build the classifier on the meta device (no memory) and count what it holds and what trains.
+
+    `shards` > 1: what one of that many processes holds under FSDP2, which cuts every parameter, frozen ones too, by
+    rows: ceil(rows / shards) rows each, the last processes' shares padded to that size. Then `total`, `trainable`,
+    `head`, `block_trained`, `down_trained` and `largest_trainable` are one process's share; `backbone`, `block` and
+    `embedding` stay whole (what is gathered to compute a block or the embedding)."""
     with torch.device("meta"):
         clf = LlamaClassifier(Llama(cfg), num_classes=num_classes, train_last=train_last, lora=lora)
+
+    def numel(p: torch.Tensor) -> int:
+        if shards == 1 or p.ndim == 0:
+            return p.numel()
+        return -(-p.shape[0] // shards) * (p.numel() // p.shape[0])
+
     trainable = list(clf.trainable_parameters().values())
     base = {n: p for n, p in clf.backbone.named_parameters() if not n.endswith(("lora_a", "lora_b"))}
     top = clf.backbone.blocks[-1]
     return ParamCounts(
-        total=sum(p.numel() for p in clf.parameters()),
+        total=sum(numel(p) for p in clf.parameters()),
         backbone=sum(p.numel() for p in base.values()),
-        head=clf.head.weight.numel(),
-        trainable=sum(p.numel() for p in trainable),
+        head=numel(clf.head.weight),
+        trainable=sum(numel(p) for p in trainable),
         block=sum(p.numel() for n, p in base.items() if n.startswith(f"blocks.{cfg.n_layers - 1}.")),
-        block_trained=sum(p.numel() for p in top.parameters() if p.requires_grad),
-        down_trained=sum(p.numel() for p in top.ffn.down_proj.parameters() if p.requires_grad),
+        block_trained=sum(numel(p) for p in top.parameters() if p.requires_grad),
+        down_trained=sum(numel(p) for p in top.ffn.down_proj.parameters() if p.requires_grad),
         embedding=clf.backbone.embed_tokens.weight.numel(),
-        largest_trainable=max((p.numel() for p in trainable), default=0),
+        largest_trainable=max((numel(p) for p in trainable), default=0),
         buffer_bytes=sum(b.numel() * FP32 for b in clf.backbone.buffers()),
     )
-
-
-def per_process(counts: ParamCounts, n: int) -> ParamCounts:
-    """What one of `n` processes holds of each count when every tensor is cut by rows (FSDP2): 1/n, rounded up.
-    A block and the embedding keep their whole size: that is what is gathered to compute them."""
-    scaled = ("total", "trainable", "block_trained", "down_trained", "largest_trainable", "head")
-    return dataclasses.replace(counts, **{f: -(-getattr(counts, f) // n) for f in scaled}) if n > 1 else counts
 
 
 def gathered_bytes(r: Recipe, counts: ParamCounts) -> tuple[int, int]:
@@ -236,6 +255,7 @@ class MemoryPlan:
             "optimizer_state": r.optimizer_state,
             "gradient_checkpointing": r.gradient_checkpointing,
             "world_size": r.world_size,
+            "nodes": r.nodes,
             "shard": r.shard,
             **{k: getattr(self, k) for k in ("weights", "gradients", "optimizer_state")},
             **{k: getattr(self, k) for k in ("activations", "forward_work", "backward_work", "step_work")},
@@ -315,7 +335,8 @@ def plan_memory(r: Recipe) -> MemoryPlan:
     cfg = dataclasses.replace(r.cfg, dtype=r.param_dtype)
     s = r.param_dtype.itemsize
     whole = count_parameters(cfg, r.train_last, r.num_classes, r.lora)
-    counts = per_process(whole, (r.shard_group or r.world_size) if r.shard else 1)  # what this process holds
+    shards = (r.shard_group or r.world_size) if r.shard else 1
+    counts = count_parameters(cfg, r.train_last, r.num_classes, r.lora, shards) if shards > 1 else whole  # mine
     p = counts.trainable
     k = r.trained_blocks
     b, t = r.batch_size, r.seq_len
@@ -368,14 +389,22 @@ def plan_memory(r: Recipe) -> MemoryPlan:
     )
 
 
+def world_sizes(per_node: int = 8, most: int = 1024) -> list[int]:
+    """The world sizes worth sharding over, ascending: 2, 4, ... up to one node's `per_node` GPUs, then whole
+    nodes of them."""
+    small = [n for n in (2, 4, 8, 16, 32, 64) if n < per_node]
+    return [n for n in [*small, *range(per_node, most + 1, per_node)] if 2 <= n <= most]
+
+
 def smallest_world(r: Recipe, gpu_bytes: int, most: int = 1024) -> int | None:
     """The fewest processes (GPUs) over which the recipe, sharded, fits `gpu_bytes` each: 2, 4, 8, then whole
-    nodes of 8 (bisection: each process's share only shrinks as processes are added). None: not even `most`."""
-    sizes = [2, 4, 8, *range(16, most + 1, 8)]
+    nodes of 8 (or of the recipe's GPUs per node, when it spans several nodes). Bisection: each process's share
+    only shrinks as processes are added. None: not even `most`."""
+    sizes = world_sizes(r.per_node if r.nodes > 1 else 8, most)
     lo, hi, best = 0, len(sizes) - 1, None
     while lo <= hi:
         mid = (lo + hi) // 2
-        if plan_memory(dataclasses.replace(r, shard=True, world_size=sizes[mid])).fits(gpu_bytes):
+        if plan_memory(dataclasses.replace(r, shard=True, world_size=sizes[mid], nodes=1)).fits(gpu_bytes):
             best, hi = sizes[mid], mid - 1
         else:
             lo = mid + 1

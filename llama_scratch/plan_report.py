@@ -56,6 +56,7 @@ def format_plan(plan: MemoryPlan, gpu: tuple[str, int] | None = None) -> str:
     lines = [
         f"Memory plan per GPU: batch {r.batch_size} x {r.seq_len} tokens, train {trained}{ckpt}, {dtype}, "
         f"world size {r.world_size}"
+        + (f" on {r.nodes} nodes ({r.per_node} each)" if r.nodes > 1 else "")
         + (f", sharded (FSDP2) across {r.shard_group or r.world_size}" if r.shard else ""),  # fmt: skip
         f"  parameters {c.total:,} ({parts}); training {c.trainable:,}",
         "",
@@ -119,7 +120,19 @@ def verdict_lines(plan: MemoryPlan, gpu: tuple[str, int] | None) -> list[str]:
     verdict = "FITS" if plan.fits(total) else "DOES NOT FIT"
     spare = (total - plan.required()) / GiB
     lines = [f"  {verdict} on {name} ({total / GiB:.1f} GiB): {spare:+.1f} GiB to spare"]
+    if plan.recipe.shard:
+        lines.append(fewest_line(plan.recipe, total))
     return lines if plan.fits(total) else lines + advice_lines(advise(plan, total))
+
+
+def fewest_line(r: Recipe, gpu_bytes: int) -> str:
+    """Sharded: the smallest world size at which this recipe fits `gpu_bytes` a process, and what each then needs."""
+    n = smallest_world(r, gpu_bytes)
+    if n is None:
+        return f"  sharded, it fits {_size(gpu_bytes)} on no world size up to 1024 processes"
+    each = _replan(r, {"world_size": n, "nodes": 1}).required()
+    group = f" (shards of {r.shard_group})" if r.shard_group else ""
+    return f"  smallest world size that fits, sharded{group}: {n} processes (GPUs), {_size(each)} each"
 
 
 # --- when it does not fit: the first part that does not, and what fits instead -----------------------------------
@@ -281,8 +294,8 @@ def shard_option(plan: MemoryPlan, gpu_bytes: int) -> tuple[str, int] | None:
         return None
     if n is None:
         return None
-    return f"--shard on {n} GPUs (torchrun, {n} processes)", _replan(r, {"shard": True, "world_size": n,
-                                                                          "shard_group": None}).required()  # fmt: skip
+    sharded = _replan(r, {"shard": True, "world_size": n, "nodes": 1, "shard_group": None})
+    return f"--shard on {n} GPUs (torchrun, {n} processes)", sharded.required()
 
 
 def refuse_unfit_replica(r: Recipe, gpu: tuple[str, int], model_ref: str) -> None:
@@ -367,6 +380,7 @@ def plan_command(args, train_last: int | None, lora: LoRASettings | None = None)
         optimizer_state=args.optimizer_state,
         gradient_checkpointing=args.gradient_checkpointing,
         world_size=args.world_size or int(os.environ.get("WORLD_SIZE", 1)),
+        nodes=getattr(args, "nodes", None) or 1,
         shard=args.shard,
         shard_group=args.shard_group,
         grad_accum=args.grad_accum,

@@ -336,3 +336,112 @@ def test_a_ddp_replica_that_cannot_fit_is_refused_naming_shard():
     with pytest.raises(PlanDoesNotFit, match=r"add --shard .*planned to fit from (\d+) GPUs"):
         refuse_unfit_replica(r, ("H100", 80 * GiB), "llama3-70b")
     refuse_unfit_replica(dataclasses.replace(r, cfg=LlamaConfig.from_name("llama3-8b")), ("H100", 80 * GiB), "8b")
+
+
+# --- sharded (FSDP2) plans -----------------------------------------------------------------------------------------
+
+
+def test_sharded_shares_are_fsdp2s_padded_rows():
+    """FSDP2 cuts every parameter, frozen ones too, by rows: each process holds ceil(rows / N) rows of each (the last
+    ones padded). The plan's per-process counts equal the shards `sharding.shard_model` makes, on a fake process
+    group of 7 whose shapes do not divide evenly, for all layers, the last 2 and LoRA."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import FSDPModule
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    from llama_scratch import sharding
+
+    if dist.is_initialized():
+        pytest.skip("a process group is already initialized in this process")
+    cfg = dataclasses.replace(SMALL, vocab_size=1001, dim=96, n_heads=6, ffn_dim=250)
+    n = 7
+    dist.init_process_group("fake", store=FakeStore(), rank=n - 1, world_size=n)
+    try:
+        mesh = init_device_mesh("cpu", (n,))
+        for train_last, lora in [(None, None), (2, None), (2, LoRASettings(4))]:
+            clf = LlamaClassifier(Llama(cfg), 3, train_last=train_last, lora=lora)
+            sharding.shard_model(clf, mesh)
+            held = [
+                (fp._sharded_param_data.numel(), fp.sharded_param.requires_grad)
+                for m in clf.modules()
+                if isinstance(m, FSDPModule)
+                for fp in m._get_fsdp_state()._fsdp_param_group.fsdp_params
+            ]
+            c = count_parameters(cfg, train_last, 3, lora, shards=n)
+            assert c.total == sum(k for k, _ in held) > sum(p.numel() for p in clf.parameters()) // n
+            assert c.trainable == sum(k for k, trains in held if trains)
+    finally:
+        dist.destroy_process_group()
+
+
+def test_sharded_plan_per_process_figures():
+    """Llama-3-8B, every layer, 8 processes: weights, gradients and optimizer state are each process's eighth (the
+    2-row head: one row each); activations are what one process's own micro-batch saves, as under DDP; the gathered
+    blocks (this one and the prefetched next; in backward its whole gradient in bfloat16 and float32 too) or the
+    embedding's whole gradient come on top in the phases. LoRA's rank-8 A matrices over 64 processes: one row each."""
+    cfg = LlamaConfig.from_name("llama3-8b")
+    r = Recipe(cfg, 8, 512, train_last=None, dtype=torch.bfloat16, gradient_checkpointing=True, world_size=8)
+    ddp, fsdp = plan_memory(r), plan_memory(dataclasses.replace(r, shard=True))
+    rope = 2 * cfg.max_seq_len * 64 * 4
+    trainable = (8_030_261_248 - V * D) // 8 + D  # all but the unused next-token projection, and one head row
+    assert fsdp.weights == 2 * (8_030_261_248 // 8 + D) + rope
+    assert fsdp.gradients == 2 * trainable and fsdp.optimizer_state == 12 * trainable
+    assert fsdp.activations == ddp.activations and fsdp.forward_work == ddp.forward_work
+    blocks = 2 * BLOCK_8B * 2 + BLOCK_8B * (2 + 4)  # two blocks, and one block's whole gradient in bf16 and fp32
+    assert fsdp.gathered == max(blocks, V * D * (2 + 4))  # or the embedding's: the larger, here
+    assert fsdp.peak_phase == "backward"
+    assert fsdp.peak < ddp.peak / 5 and fsdp.fits(80 * GiB) and not ddp.fits(80 * GiB)
+    assert fsdp.required() - with_margin(fsdp.peak) == 9 * GiB // 4  # NCCL's reserve: several GPUs, CUDA
+    qv = LoRASettings(8, targets=("q", "v"))
+    lora = Recipe(cfg, 8, 512, train_last=2, dtype=torch.bfloat16, lora=qv, world_size=64, shard=True)
+    whole, mine = count_parameters(cfg, 2, 2, qv), plan_memory(lora).counts
+    assert mine == whole  # the plan keeps the whole counts; its figures are per process
+    adapters = whole.trainable - 2 * D - D  # the head and the final norm train too
+    per_adapter = (8 * D + D * 8) + (8 * D + 1024 * 8)  # q: A [8, 4096], B [4096, 8]; v: A [8, 4096], B [1024, 8]
+    assert adapters == 2 * per_adapter
+    share = count_parameters(cfg, 2, 2, qv, shards=64).trainable
+    assert share == 2 * ((D + D // 64 * 8) + (D + 1024 // 64 * 8)) + D + D // 64  # A: 1 of 8 rows; head: 1 of 2
+
+
+def test_smallest_world_size_that_fits():
+    """70B, every layer, checkpointing, 80 GiB GPUs: the fewest sharded processes that fit, in whole nodes of 8
+    beyond 8 (of 4 when the recipe runs 4 a node); one node fewer does not fit. 8B on 8 fits with 2."""
+    from llama_scratch.plan import smallest_world, world_sizes
+
+    assert world_sizes()[:6] == [2, 4, 8, 16, 24, 32] and world_sizes(4)[:5] == [2, 4, 8, 12, 16]
+    r = Recipe(LlamaConfig.from_name("llama3-70b"), 8, 512, None, dtype=torch.bfloat16, gradient_checkpointing=True)
+    n = smallest_world(r, 80 * GiB)
+    assert n is not None and n % 8 == 0 and n > 8
+    assert plan_memory(dataclasses.replace(r, shard=True, world_size=n)).fits(80 * GiB)
+    assert not plan_memory(dataclasses.replace(r, shard=True, world_size=n - 8)).fits(80 * GiB)
+    by_four = smallest_world(dataclasses.replace(r, world_size=8, nodes=2), 80 * GiB)
+    assert by_four % 4 == 0 and n - 8 < by_four <= n
+    assert not plan_memory(dataclasses.replace(r, shard=True, world_size=by_four - 4)).fits(80 * GiB)
+    assert smallest_world(dataclasses.replace(r, cfg=LlamaConfig.from_name("llama3-8b")), 80 * GiB) == 2
+    assert smallest_world(r, 4 * GiB) is None  # activations alone: no number of processes shrinks them
+    with pytest.raises(ValueError, match="multiple of the 2 node"):
+        Recipe(r.cfg, 8, 512, world_size=3, nodes=2)
+
+
+def test_plan_command_sharded(capsys):
+    """--plan --shard --world-size N --nodes M prints each process's share and the smallest world size that fits;
+    a DDP plan that does not fit names --shard and that world size, which fits when planned again."""
+    argv = ["--train-last", "all", "--gradient-checkpointing", "--dtype", "bfloat16", "--gpu-memory", "80"]
+    code, out = plan_output([*argv, "--world-size", "8"], capsys)
+    assert code == 2 and "DOES NOT FIT" in out
+    n = int(re.search(r"--shard on (\d+) GPUs", out).group(1))
+    assert n == 2
+    code, out = plan_output([*argv, "--shard", "--world-size", "16", "--nodes", "2"], capsys)
+    assert code == 0 and "world size 16 on 2 nodes (8 each), sharded (FSDP2) across 16" in out
+    assert "/ 16 processes" in out and "smallest world size that fits, sharded: 2 processes (GPUs)" in out
+    for part in ("weights", "gradients", "optimizer state", "activations", "gathered, at most"):
+        assert re.search(rf"^  {part} +\d", out, re.MULTILINE), part
+    code, out = plan_output([*argv, "--shard", "--world-size", "3", "--nodes", "2"], capsys)
+    assert code == 2 and "multiple of the 2 node(s)" in out
+
+
+def test_plan_world_size_defaults_to_torchruns(monkeypatch, capsys):
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    code, out = plan_output(["--train-last", "2", "--shard", "--gpu-memory", "80"], capsys)
+    assert code == 0 and "world size 4, sharded (FSDP2) across 4" in out
