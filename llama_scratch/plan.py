@@ -278,9 +278,33 @@ def optimizer_bytes(r: Recipe, counts) -> tuple[int, int]:
     # of the largest: sqrt(v), ...
     per_tensor = r.device_type != "cuda" or r.shard
     temporaries = 3 * state_size * counts.largest_trainable if per_tensor else 0
-    if master:  # float32 gradients replace the low-precision ones, one tensor at a time
-        return state, (FP32 - s) * p + temporaries
-    return state, temporaries
+    if not master:
+        return state, temporaries
+    # float32 gradients replace the low-precision ones, one tensor at a time, before AdamW steps
+    if not r.shard and r.world_size > 1:  # DDP: the low-precision ones stay (bucket views), through AdamW's step
+        return state, FP32 * p + temporaries
+    return state, (FP32 - s) * p + max(low_precision_kept(r, counts), temporaries)
+
+
+def low_precision_kept(r: Recipe, counts) -> int:
+    """Of the low-precision gradients that MasterWeightAdamW.step drops as it makes their float32 copies (optim.py),
+    the bytes still held when the last copy is made (beside all the float32 ones; AdamW's own temporaries come
+    after, when these are gone). Under DDP none is freed: they are views of its buckets (see optimizer_bytes).
+
+    Sharded (FSDP2), a group's gradients (a block's, the
+    root's) are views of one buffer, freed when the last of them is dropped; the copies are made weight matrices
+    first, then norm gains (the optimizer's two parameter groups), so a group with a trained norm gain (a trained
+    block, not its LoRA adapters; the root: final norm, head, a tied embedding) keeps all its gradients until the
+    end. Alone, each is freed as its copy appears."""
+    s, cfg = r.param_dtype.itemsize, r.cfg
+    if not r.shard:
+        return s * counts.trainable if r.world_size > 1 else 0
+    n = r.shard_group or r.world_size
+    root = counts.head + -(-cfg.dim // n)
+    if cfg.tie_embeddings and r.train_last is None:
+        root += -(-cfg.vocab_size // n) * cfg.dim
+    blocks = r.trained_blocks * counts.block_trained if r.lora is None else 0
+    return s * (blocks + root)
 
 
 def backward_peak(r: Recipe, cfg: LlamaConfig, counts, activations: int, held: int, saved: tuple) -> int:

@@ -445,3 +445,25 @@ def test_plan_world_size_defaults_to_torchruns(monkeypatch, capsys):
     monkeypatch.setenv("WORLD_SIZE", "4")
     code, out = plan_output(["--train-last", "2", "--shard", "--gpu-memory", "80"], capsys)
     assert code == 0 and "world size 4, sharded (FSDP2) across 4" in out
+
+
+def test_optimizer_step_counts_the_low_precision_gradients_still_held():
+    """MasterWeightAdamW makes float32 copies of the bfloat16 gradients and drops each. Alone, each is freed as its
+    copy appears; under DDP none is (views of its buckets, kept through AdamW's step); sharded, a block's gradients
+    share one buffer, freed only with its last, a norm gain copied after every weight matrix: all the trained
+    blocks' are there when the last copy is made (LoRA's blocks train no norm gain: none). The simulation found
+    each (benchmarks/simulate_scale.py; tests/test_simulate_scale.py)."""
+    cfg = LlamaConfig.from_name("llama3-8b")
+    r = Recipe(cfg, 8, 512, train_last=2, dtype=torch.bfloat16)
+    alone, ddp = plan_memory(r), plan_memory(dataclasses.replace(r, world_size=8))
+    p = alone.counts.trainable
+    assert alone.step_work == 2 * p and ddp.step_work == 4 * p  # fused AdamW on a GPU: no temporaries of its own
+    every = dict(train_last=None, gradient_checkpointing=True, batch_size=4, seq_len=128)
+    sharded = plan_memory(dataclasses.replace(r, **every, world_size=8, shard=True, device_type="cpu"))
+    mine = count_parameters(cfg, None, 2, None, shards=8)
+    kept = 2 * (32 * BLOCK_8B // 8 + D + D // 8)  # the blocks, the head's row and the final norm
+    assert sharded.step_work == 2 * mine.trainable + max(kept, 3 * 4 * mine.largest_trainable)
+    assert sharded.peak_phase == "optimizer step"  # 4 x 128 tokens: 17.48 GiB simulated and planned (RESULTS.md)
+    lora = dataclasses.replace(r, lora=LoRASettings(8), world_size=8, shard=True, device_type="cpu")
+    mine = count_parameters(cfg, 2, 2, LoRASettings(8), shards=8)
+    assert plan_memory(lora).step_work == 2 * mine.trainable + 3 * 4 * mine.largest_trainable
