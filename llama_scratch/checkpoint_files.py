@@ -17,10 +17,11 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from fnmatch import fnmatch
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 
-from .atomic import replace_directory
+from .atomic import replace_directory, write_atomic
 
 # --- names -------------------------------------------------------------------------------------------------------
 
@@ -267,6 +268,55 @@ def _shard_names(index: Path) -> list[str]:
 # The weights, their index, the config and the tokenizer; not the original .pth files or other formats.
 ALLOW_PATTERNS = ["*.safetensors", "model.safetensors.index.json", "config.json", "generation_config.json",
                   "original/tokenizer.model", "tokenizer.json", "tokenizer_config.json"]  # fmt: skip
+
+
+# --- writing safetensors files ---------------------------------------------------------------------------------------
+
+_DTYPE_NAMES = {dtype: name for name, dtype in _DTYPES.items()}
+
+
+class TensorToWrite(NamedTuple):
+    """A tensor's header entry, and how to make its values when its turn comes (so only one is ever in memory)."""
+
+    name: str
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    make: Callable[[], torch.Tensor]
+
+
+def write_safetensors(path: Path, entries: list[TensorToWrite], metadata: dict[str, str] | None = None) -> Path:
+    """A safetensors file, written atomically: the header from the entries, then each tensor as it is made.
+
+    Our own writer rather than safetensors' `save_file`, for two reasons: it needs one tensor in memory at a time,
+    not all of them, and `save_file` stages its bytes in a temporary file of its own (`.tmpXXXXXX`) beside the
+    target, which a killed run would leave in the output directory under a name no one can prove is ours.
+    """
+    header: dict[str, object] = {"__metadata__": {"format": "pt", **(metadata or {})}}
+    offset = 0
+    for e in entries:
+        nbytes = math.prod(e.shape) * e.dtype.itemsize
+        header[e.name] = {"dtype": _DTYPE_NAMES[e.dtype], "shape": list(e.shape), "data_offsets": [offset,
+                          offset + nbytes]}  # fmt: skip
+        offset += nbytes
+    raw = json.dumps(header, separators=(",", ":")).encode()
+    raw += b" " * (-len(raw) % 8)  # the data starts 8-byte aligned, as safetensors itself writes it
+
+    def write(tmp: Path) -> None:
+        with open(tmp, "wb") as f:
+            f.write(len(raw).to_bytes(8, "little") + raw)
+            for e in entries:
+                t = e.make().detach()
+                if tuple(t.shape) != tuple(e.shape) or t.dtype != e.dtype:
+                    raise ValueError(f"{e.name}: made {t.dtype} {tuple(t.shape)}, the header says {e.dtype} {e.shape}")
+                f.write(memoryview(t.cpu().contiguous().reshape(-1).view(torch.uint8).numpy()))
+                del t
+
+    return write_atomic(path, write)
+
+
+def tensors_to_write(tensors: dict[str, torch.Tensor]) -> list[TensorToWrite]:
+    """Entries for tensors already in memory."""
+    return [TensorToWrite(n, tuple(t.shape), t.dtype, lambda t=t: t) for n, t in tensors.items()]
 
 
 # --- Whose directory is it? -----------------------------------------------------------------------------------------

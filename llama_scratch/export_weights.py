@@ -13,22 +13,23 @@ import dataclasses
 import json
 import math
 import re
-from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
-from .atomic import write_atomic, write_text_atomic
+from .atomic import write_text_atomic
 from .checkpoint_files import (
     IGNORABLE,
     CheckpointError,
     TensorInfo,
+    TensorToWrite,
     find_checkpoint_files,
     hf_to_ours,
     ours_to_hf,
     read_header,
     read_tensor,
+    write_safetensors,
 )
 from .config import LlamaConfig
 from .lora import merged_weight
@@ -36,7 +37,6 @@ from .model import Llama
 
 HEAD = "score.weight"  # transformers' name for the classification head of LlamaForSequenceClassification
 INDEX = "model.safetensors.index.json"
-SAFETENSORS_DTYPES = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16"}
 # An adapter of one projection, as a LoRA run saves it: backbone.blocks.{i}.{path}.lora_a / .lora_b
 _ADAPTER = re.compile(r"backbone\.(?P<module>blocks\.(?P<block>\d+)\.(?P<path>.+))\.lora_(?P<part>[ab])")
 
@@ -189,31 +189,6 @@ def shard(planned: list[Planned], dtype: torch.dtype, max_shard_bytes: int) -> l
     return shards
 
 
-def write_safetensors(path: Path, items: list[Planned], dtype: torch.dtype, make: Callable[[Planned], torch.Tensor],
-                      metadata: dict[str, str] | None = None) -> None:  # fmt: skip
-    """A safetensors file whose header is written from the plan (anything with a name and a shape), then each
-    tensor as `make` produces it: one tensor in memory at a time (sharding.save_gathered writes this way too)."""
-    header: dict[str, object] = {"__metadata__": {"format": "pt", **(metadata or {})}}
-    offset = 0
-    for p in items:
-        nbytes = math.prod(p.shape) * dtype.itemsize
-        header[p.name] = {"dtype": SAFETENSORS_DTYPES[dtype], "shape": list(p.shape), "data_offsets": [offset,
-                          offset + nbytes]}  # fmt: skip
-        offset += nbytes
-    raw = json.dumps(header, separators=(",", ":")).encode()
-    raw += b" " * (-len(raw) % 8)  # the data starts 8-byte aligned, as safetensors itself writes it
-
-    def write(tmp: Path) -> None:
-        with open(tmp, "wb") as f:
-            f.write(len(raw).to_bytes(8, "little") + raw)
-            for p in items:
-                t = make(p)
-                f.write(memoryview(t.reshape(-1).view(torch.uint8).numpy()))
-                del t
-
-    write_atomic(path, write)
-
-
 def write_weights(out: Path, planned: list[Planned], dtype: torch.dtype, lora: Lora | None,
                   max_shard_bytes: int, log=print) -> list[str]:  # fmt: skip
     """model.safetensors, or shards and their index, in `out`; returns the file names written."""
@@ -224,7 +199,8 @@ def write_weights(out: Path, planned: list[Planned], dtype: torch.dtype, lora: L
         names = [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
     for items, name in zip(shards, names, strict=True):
         log(f"writing {name} ({len(items)} tensors)")
-        write_safetensors(out / name, items, dtype, lambda p: produce(p, dtype, lora))
+        entries = [TensorToWrite(p.name, tuple(p.shape), dtype, lambda p=p: produce(p, dtype, lora)) for p in items]
+        write_safetensors(out / name, entries)
     if len(shards) == 1:
         return names
     total = sum(math.prod(p.shape) * dtype.itemsize for p in planned)

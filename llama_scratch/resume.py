@@ -18,10 +18,9 @@ from pathlib import Path
 
 import torch
 from safetensors import SafetensorError, safe_open
-from safetensors.torch import save_file
 from torch import nn
 
-from .atomic import write_atomic
+from .checkpoint_files import tensors_to_write, write_safetensors
 from .weights import copy_named_tensors
 
 FORMAT = "llama_scratch resume point v1"
@@ -90,7 +89,7 @@ def write_point(path: Path, trained: dict[str, torch.Tensor], optimizer, schedul
         **plain,
     }
     metadata = {"llama_scratch": json.dumps(record)}
-    return write_atomic(path, lambda tmp: save_file(tensors, tmp, metadata=metadata))
+    return write_safetensors(path, tensors_to_write(tensors), metadata)
 
 
 def read_point(path: Path) -> dict:

@@ -25,7 +25,7 @@ import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING, NamedTuple
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
@@ -35,11 +35,10 @@ from tqdm.auto import tqdm
 
 from . import distributed
 from .atomic import write_text_atomic
-from .checkpoint_files import TensorInfo, find_checkpoint_files, read_into
+from .checkpoint_files import TensorInfo, TensorToWrite, find_checkpoint_files, read_into, write_safetensors
 from .classifier import LlamaClassifier, new_head
 from .config import LlamaConfig
 from .distributed import Dist
-from .export_weights import write_safetensors
 from .lora import LoRASettings, lora_layers, new_adapters
 from .model import Llama
 from .resume import ResumeError
@@ -261,27 +260,21 @@ def like_param(value: torch.Tensor, param: torch.Tensor) -> torch.Tensor:
     return DTensor.from_local(value, param.device_mesh, param.placements, shape=param.shape, stride=param.stride())
 
 
-class _Spec(NamedTuple):
-    name: str
-    shape: tuple[int, ...]
-
-
 def save_gathered(named: dict[str, torch.Tensor], path: Path, env: Dist, metadata: dict | None = None) -> None:
     """Write `named` (sharded or not) as one safetensors file on rank 0, gathering one tensor at a time: the
     header first (from the shapes), then each whole tensor as it arrives; never the whole model at once. Every
     process must call it (each gather is a collective)."""
     seen: set[int] = set()  # a tied embedding under two names is written once, under the first (as save_weights)
     named = {n: t for n, t in named.items() if not (id(t) in seen or seen.add(id(t)))}
-    dtypes = {t.dtype for t in named.values()}
-    if len(dtypes) != 1:
-        raise ValueError(f"the tensors to save mix dtypes {sorted(map(str, dtypes))}")
-    specs = [_Spec(name, tuple(t.shape)) for name, t in named.items()]
     if env.is_main:
         meta = {k: v if isinstance(v, str) else json.dumps(v) for k, v in (metadata or {}).items()}
-        write_safetensors(path, specs, dtypes.pop(), lambda s: full_tensor(named[s.name].detach()).cpu(), meta)
+        entries = [
+            TensorToWrite(n, tuple(t.shape), t.dtype, lambda t=t: full_tensor(t.detach())) for n, t in named.items()
+        ]
+        write_safetensors(path, entries, meta)
     else:
-        for s in specs:
-            full_tensor(named[s.name].detach())
+        for t in named.values():
+            full_tensor(t.detach())
 
 
 def read_from_main(named: dict[str, torch.Tensor], path: Path, env: Dist) -> None:

@@ -20,11 +20,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
-from safetensors.torch import save_file
 from torch import nn
 from tqdm.auto import tqdm
 
-from .atomic import write_atomic, write_text_atomic
+from .atomic import write_text_atomic
 from .checkpoint_files import (
     IGNORABLE,
     CheckpointError,
@@ -34,6 +33,8 @@ from .checkpoint_files import (
     ours_to_hf,
     read_header,
     read_into,
+    tensors_to_write,
+    write_safetensors,
 )
 from .config import LlamaConfig
 from .model import Llama
@@ -347,8 +348,8 @@ def save_weights(state: dict[str, torch.Tensor], path: str | Path, metadata: dic
             continue
         seen.add(key)
         tensors[name] = t.detach().contiguous()
-    meta = {"format": "pt", **{k: v if isinstance(v, str) else json.dumps(v) for k, v in (metadata or {}).items()}}
-    return write_atomic(path, lambda tmp: save_file(tensors, tmp, metadata=meta))
+    meta = {k: v if isinstance(v, str) else json.dumps(v) for k, v in (metadata or {}).items()}
+    return write_safetensors(Path(path), tensors_to_write(tensors), meta)
 
 
 def save_checkpoint(

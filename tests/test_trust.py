@@ -209,11 +209,16 @@ def test_a_failed_resume_save_leaves_the_previous_point_and_no_temporary_file(tm
     train.save_resume_point(path, clf, opt, sched, train.TrainState(step=1), s, {})
     before = path.read_bytes()
 
-    def disk_full(tensors, filename, metadata=None):
-        Path(filename).write_bytes(b"partial")
+    def disk_full():
         raise OSError(errno.ENOSPC, "No space left on device")
 
-    monkeypatch.setattr(resume, "save_file", disk_full)
+    every_entry = resume.tensors_to_write
+
+    def entries_until_the_disk_is_full(tensors):  # the header and the first tensors are written, then no space
+        entries = every_entry(tensors)
+        return [*entries[:2], entries[2]._replace(make=disk_full)]
+
+    monkeypatch.setattr(resume, "tensors_to_write", entries_until_the_disk_is_full)
     with pytest.raises(OSError, match="No space"):
         train.save_resume_point(path, clf, opt, sched, train.TrainState(step=2), s, {})
     assert path.read_bytes() == before and [p.name for p in tmp_path.iterdir()] == ["resume.safetensors"]

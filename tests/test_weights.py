@@ -3,14 +3,16 @@
 from __future__ import annotations
 
 import json
+import os
 import shutil
 from pathlib import Path
 
 import pytest
 import torch
+from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
-from llama_scratch.checkpoint_files import hf_to_ours, ours_to_hf
+from llama_scratch.checkpoint_files import TensorToWrite, hf_to_ours, ours_to_hf, tensors_to_write, write_safetensors
 from llama_scratch.config import LlamaConfig
 from llama_scratch.model import Llama
 from llama_scratch.sources import load_model
@@ -300,25 +302,49 @@ def test_no_checkpoint_there(tmp_path):
 # --- saving ------------------------------------------------------------------------------------------------------
 
 
-def test_save_weights_is_atomic(tmp_path, monkeypatch):
-    from llama_scratch import weights
-
+def test_save_weights_is_atomic(tmp_path):
     path = tmp_path / "head.safetensors"
     save_weights({"a": torch.arange(4.0), "b": torch.ones(2, 2)}, path, metadata={"step": 3})
     assert [p.name for p in tmp_path.iterdir()] == ["head.safetensors"]
     original = path.read_bytes()
+    seen_while_writing = []
 
-    def crash(tensors, filename, metadata=None):
-        Path(filename).write_bytes(b"half a file")
+    def crash():
+        seen_while_writing.extend(sorted(p.name for p in tmp_path.iterdir()))
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(weights, "save_file", crash)
+    entries = [*tensors_to_write({"a": torch.zeros(4)}), TensorToWrite("b", (2, 2), torch.float32, crash)]
     with pytest.raises(KeyboardInterrupt):
-        save_weights({"a": torch.zeros(4)}, path)
-    assert [p.name for p in tmp_path.iterdir()] == ["head.safetensors"]  # no temporary file left
+        write_safetensors(path, entries)
+    # Only our own temporary name existed meanwhile (safetensors' save_file would have made a `.tmpXXXXXX` of
+    # its own, which a killed run leaves behind under a name that is not provably ours), and it is gone now.
+    assert seen_while_writing == [f".head.safetensors.{os.getpid()}.tmp", "head.safetensors"]
+    assert [p.name for p in tmp_path.iterdir()] == ["head.safetensors"]
     assert path.read_bytes() == original
-    monkeypatch.undo()
     assert torch.equal(load_file(path)["a"], torch.arange(4.0))
+
+
+def test_our_safetensors_writer_is_read_back_by_safetensors(tmp_path):
+    tensors = {
+        "f32": torch.randn(3, 5),
+        "bf16": torch.randn(7).bfloat16(),
+        "i64": torch.tensor(9),
+        "u8": torch.arange(5, dtype=torch.uint8),
+        "flag": torch.tensor([True, False]),
+        "empty": torch.zeros(0, 4),
+        "strided": torch.randn(4, 6).t(),
+    }
+    write_safetensors(tmp_path / "x.safetensors", tensors_to_write(tensors), {"note": "kept"})
+    back = load_file(tmp_path / "x.safetensors")
+    assert back.keys() == tensors.keys()
+    for name, t in tensors.items():
+        assert back[name].dtype == t.dtype and torch.equal(back[name], t), name
+    with safe_open(tmp_path / "x.safetensors", framework="pt") as f:
+        assert f.metadata() == {"format": "pt", "note": "kept"}
+    wrong = [TensorToWrite("w", (2,), torch.float32, lambda: torch.zeros(3))]
+    with pytest.raises(ValueError, match="w: made torch.float32 \\(3,\\), the header says"):
+        write_safetensors(tmp_path / "y.safetensors", wrong)
+    assert not (tmp_path / "y.safetensors").exists()
 
 
 def test_save_weights_writes_tied_tensors_once(tmp_path):
