@@ -66,7 +66,8 @@ from llama_scratch.classifier import LlamaClassifier  # noqa: E402
 from llama_scratch.config import PRESETS, LlamaConfig  # noqa: E402
 from llama_scratch.lora import LoRASettings  # noqa: E402
 from llama_scratch.model import Llama  # noqa: E402
-from llama_scratch.plan import MemoryPlan, Recipe, plan_memory, smallest_world  # noqa: E402
+from llama_scratch.plan import MemoryPlan, Recipe, plan_memory  # noqa: E402
+from llama_scratch.plan_advice import smallest_world  # noqa: E402
 from llama_scratch.train import TrainSettings, make_optimizer  # noqa: E402
 
 GiB = 2**30

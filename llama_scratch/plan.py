@@ -34,6 +34,7 @@ from .plan_activations import (
     block_saved_bytes,
     last_block_saved_bytes,
     norm_saved_bytes,
+    outside_blocks_saved_bytes,
     trained_forward_work,
 )
 
@@ -172,22 +173,6 @@ def gathered_bytes(r: Recipe, counts: ParamCounts) -> tuple[int, int]:
         return max(2 * root, root + 3 * block), max(root + blocks, (s + FP32) * emb_trained)
     emb = s * counts.embedding
     return max(2 * emb, emb + 2 * block, 3 * block), max(blocks, emb + s * emb_trained, (s + FP32) * emb_trained)
-
-
-def shared_saved_bytes(r: Recipe, itemsize: int) -> dict[str, int]:
-    """Saved tensors outside the blocks: rotary tables, final norm, head, loss."""
-    n, b, d = r.batch_size * r.seq_len, r.batch_size, r.cfg.dim
-    out = {}
-    # Rotary cos and sin, [B, 1, T, head_dim / 2] float32 each (training passes an attention mask: per-row positions),
-    # one pair for every block (Llama.run_blocks computes them once per forward).
-    out["rotary tables"] = FP32 * n * r.cfg.head_dim * min(r.trained_blocks, 1)
-    # Final norm at each row's last token; its input needs a gradient only if the last block trains.
-    out["final norm"] = itemsize * b * d + ((FP32 * b * d + FP32 * b) if r.trained_blocks else 0)
-    # Head input (the final norm's output), the float32 logits' log-softmax.
-    out["head"] = itemsize * b * d + 2 * FP32 * b * r.num_classes
-    if r.train_last is None:
-        out["token ids"] = 8 * n  # the embedding keeps its int64 indices
-    return out
 
 
 # --- the plan ---------------------------------------------------------------------------------------------------
@@ -374,7 +359,7 @@ def plan_memory(r: Recipe) -> MemoryPlan:
     kept_per_block = s * b * t * cfg.dim if r.gradient_checkpointing else full_rest
     kept_first = s * b * t * cfg.dim if r.gradient_checkpointing else full_first
     last = last_block_saved_bytes(cfg, b, t, s, full > 0 or r.train_last is None, r.device_type, r.lora) if k else 0
-    shared = sum(shared_saved_bytes(r, s).values())
+    shared = sum(outside_blocks_saved_bytes(cfg, b, t, s, k, r.num_classes, r.train_last is None).values())
     activations = shared + last + (kept_first + (full - 1) * kept_per_block if full else 0)
 
     grads = s * p
@@ -411,25 +396,3 @@ def plan_memory(r: Recipe) -> MemoryPlan:
         phases=phases,
         gathered=max(gathered_forward, gathered_backward),
     )
-
-
-def world_sizes(per_node: int = 8, most: int = 1024) -> list[int]:
-    """The world sizes worth sharding over, ascending: 2, 4, ... up to one node's `per_node` GPUs, then whole
-    nodes of them."""
-    small = [n for n in (2, 4, 8, 16, 32, 64) if n < per_node]
-    return [n for n in [*small, *range(per_node, most + 1, per_node)] if 2 <= n <= most]
-
-
-def smallest_world(r: Recipe, gpu_bytes: int, most: int = 1024) -> int | None:
-    """The fewest processes (GPUs) over which the recipe, sharded, fits `gpu_bytes` each: 2, 4, 8, then whole
-    nodes of 8 (or of the recipe's GPUs per node, when it spans several nodes). Bisection: each process's share
-    only shrinks as processes are added. None: not even `most`."""
-    sizes = world_sizes(r.per_node if r.nodes > 1 else 8, most)
-    lo, hi, best = 0, len(sizes) - 1, None
-    while lo <= hi:
-        mid = (lo + hi) // 2
-        if plan_memory(dataclasses.replace(r, shard=True, world_size=sizes[mid], nodes=1)).fits(gpu_bytes):
-            best, hi = sizes[mid], mid - 1
-        else:
-            lo = mid + 1
-    return best

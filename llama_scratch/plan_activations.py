@@ -65,7 +65,7 @@ def block_saved_bytes(
     # RMSNorm: the float32 input (for x.pow) and 1/rms, only when the input needs a gradient.
     norm_for_input = FP32 * n * d + FP32 * n
     # Attention: SDPA (flash) keeps q and k after rotation, v, its output and the log-sum-exp of each query row.
-    # Rotary keeps only its cos/sin tables (shared by all blocks, see plan.shared_saved_bytes).
+    # Rotary keeps only its cos/sin tables (shared by all blocks, see outside_blocks_saved_bytes).
     attention = itemsize * n * (2 * q + 2 * kv) + FP32 * batch * cfg.n_heads * seq
     # SwiGLU: gate output (for silu), silu(gate) and up (for the product).
     ffn = 3 * itemsize * n * f
@@ -163,3 +163,21 @@ def norm_saved_bytes(cfg: LlamaConfig, batch: int, seq: int, itemsize: int, inpu
     unless its gain is frozen (LoRA), and its float32 input and 1/rms if its input needs a gradient."""
     n, d = batch * seq, cfg.dim
     return (1 if lora else 2) * itemsize * n * d + ((FP32 * n * d + FP32 * n) if input_grad else 0)
+
+
+def outside_blocks_saved_bytes(
+    cfg: LlamaConfig, b: int, t: int, itemsize: int, trained_blocks: int, num_classes: int, embedding_trains: bool
+) -> dict[str, int]:
+    """Saved tensors outside the blocks: rotary tables, final norm, head, loss."""
+    n, d = b * t, cfg.dim
+    out = {}
+    # Rotary cos and sin, [B, 1, T, head_dim / 2] float32 each (training passes an attention mask: per-row positions),
+    # one pair for every block (Llama.run_blocks computes them once per forward).
+    out["rotary tables"] = FP32 * n * cfg.head_dim * min(trained_blocks, 1)
+    # Final norm at each row's last token; its input needs a gradient only if the last block trains.
+    out["final norm"] = itemsize * b * d + ((FP32 * b * d + FP32 * b) if trained_blocks else 0)
+    # Head input (the final norm's output), the float32 logits' log-softmax.
+    out["head"] = itemsize * b * d + 2 * FP32 * b * num_classes
+    if embedding_trains:
+        out["token ids"] = 8 * n  # the embedding keeps its int64 indices
+    return out

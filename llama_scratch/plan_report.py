@@ -5,17 +5,15 @@
 
 from __future__ import annotations
 
-import dataclasses
 import os
-from collections.abc import Callable
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 
 from .config import PRESETS, parse_dtype
 from .lora import LoRASettings
-from .plan import FP32, GiB, MemoryPlan, Recipe, plan_memory, smallest_world, with_margin
+from .plan import FP32, GiB, MemoryPlan, Recipe, plan_memory, with_margin
+from .plan_advice import STAGES, advice_lines, advise, in_gib, misfit, replan, smallest_world
 from .sources import config_of
 
 SCRATCH_PRESETS = ("tiny",)  # presets with no published checkpoint: only ever trained from random weights
@@ -129,173 +127,10 @@ def fewest_line(r: Recipe, gpu_bytes: int) -> str:
     """Sharded: the smallest world size at which this recipe fits `gpu_bytes` a process, and what each then needs."""
     n = smallest_world(r, gpu_bytes)
     if n is None:
-        return f"  sharded, it fits {_size(gpu_bytes)} on no world size up to 1024 processes"
-    each = _replan(r, {"world_size": n, "nodes": 1}).required()
+        return f"  sharded, it fits {in_gib(gpu_bytes)} on no world size up to 1024 processes"
+    each = replan(r, {"world_size": n, "nodes": 1}).required()
     group = f" (shards of {r.shard_group})" if r.shard_group else ""
-    return f"  smallest world size that fits, sharded{group}: {n} processes (GPUs), {_size(each)} each"
-
-
-# --- when it does not fit: the first part that does not, and what fits instead -----------------------------------
-
-STAGES = ("weights", "weights, state and gradients", "activations", "fits")  # in the order memory fills
-
-
-@dataclass
-class Advice:
-    """Why a plan does not fit, and the options that do: each one re-planned and found to fit."""
-
-    problem: str  # the first part that does not fit
-    options: list[tuple[str, int]] = field(default_factory=list)  # (flags, GPU memory needed)
-    closest: tuple[str, int] | None = None  # when no option fits: the best one tried
-    note: str = ""
-
-
-def _size(n: int) -> str:
-    return f"{n / GiB:.1f}".removesuffix(".0") + " GiB"
-
-
-def misfit(plan: MemoryPlan, gpu_bytes: int) -> str:
-    """The first of STAGES that does not fit: the weights come first, then what training adds before it has seen
-    a batch (optimizer state, gradients), then what grows with the batch (activations and temporaries)."""
-    if with_margin(plan.weights) > gpu_bytes:
-        return STAGES[0]
-    if with_margin(plan.persistent + plan.phases["optimizer step"]) > gpu_bytes:
-        return STAGES[1]
-    return STAGES[3] if plan.fits(gpu_bytes) else STAGES[2]
-
-
-def _exceeds(what: str, n: int, gpu_bytes: int) -> str:
-    margin = "" if n > gpu_bytes else f", {_size(with_margin(n))} with the 5% + 0.5 GiB margin"
-    return f"{what} ({_size(n)}{margin}) exceed the GPU's {_size(gpu_bytes)}"
-
-
-def _flags(r: Recipe, changes: dict) -> str:
-    """The command-line flags that turn recipe `r` into `r` with `changes` (unchanged fields say nothing)."""
-    names = {"optimizer_state": "--optimizer-state", "train_last": "--train-last", "batch_size": "--batch-size"}
-    names |= {"grad_accum": "--grad-accum", "seq_len": "--max-length"}
-    flags = []
-    for key, value in changes.items():
-        if getattr(r, key) == value:
-            continue
-        if key == "gradient_checkpointing":
-            flags.append("--gradient-checkpointing")
-        elif key == "dtype":
-            flags.append("--dtype " + str(value).removeprefix("torch."))
-        else:
-            flags.append(f"{names[key]} {value}")
-    return " ".join(flags)
-
-
-def _replan(r: Recipe, changes: dict) -> MemoryPlan:
-    return plan_memory(dataclasses.replace(r, **changes))
-
-
-def _largest(values: list[int], plan_with: Callable[[int], MemoryPlan], gpu_bytes: int) -> int | None:
-    """The largest of the ascending `values` whose plan fits (bisection: memory grows with each of these knobs)."""
-    lo, hi, best = 0, len(values) - 1, None
-    while lo <= hi:
-        mid = (lo + hi) // 2
-        if plan_with(values[mid]).fits(gpu_bytes):
-            best, lo = values[mid], mid + 1
-        else:
-            hi = mid - 1
-    return best
-
-
-def _fewer_trained(plan: MemoryPlan, gpu_bytes: int) -> list[tuple[dict, MemoryPlan]]:
-    """Optimizer state and gradients grow with what trains: the most blocks that fit as asked, then with the
-    cheaper options (AdamW moments in the parameter dtype, gradient checkpointing), each kept if it trains more."""
-    r = plan.recipe
-    variants = [{}]
-    if r.optimizer_state == "float32" and r.param_dtype.itemsize < FP32:
-        variants.append({"optimizer_state": "param"})  # 12 bytes of state per trained parameter become 4 (bf16)
-    if not r.gradient_checkpointing:
-        variants.append({"gradient_checkpointing": True})
-    as_asked = r.cfg.n_layers + 1 if r.train_last is None else r.train_last  # "all" trains the embedding too
-    tried, most = [], -1
-    for v in variants:
-        n = as_asked if v and _replan(r, v).fits(gpu_bytes) else None
-        if n is None:
-            n = _largest(list(range(as_asked)), lambda k, v=v: _replan(r, {**v, "train_last": k}), gpu_bytes)
-        changes = v if n == as_asked else {**v, "train_last": n or 0}
-        if n is None or n > most:  # one that fits only if it trains more than the ones before
-            tried.append((changes, _replan(r, changes)))
-            most = max(most, -1 if n is None else n)
-    return tried
-
-
-def _smaller_activations(plan: MemoryPlan, gpu_bytes: int) -> list[tuple[dict, MemoryPlan]]:
-    """Activations grow with the rows and tokens of a micro-batch: gradient checkpointing, or fewer rows per
-    micro-batch (more micro-batches: the same rows per optimizer step), both if neither alone fits, and only then
-    shorter texts."""
-    r = plan.recipe
-    rows = r.batch_size * r.grad_accum
-    sizes = [b for b in range(1, r.batch_size) if rows % b == 0]
-    ckpt = {} if r.gradient_checkpointing else {"gradient_checkpointing": True}
-    tried = [(ckpt, _replan(r, ckpt))] if ckpt else []
-    for v in [{}, ckpt] if ckpt else [{}]:
-        if v and any(p.fits(gpu_bytes) for _, p in tried):
-            break
-        b = _largest(sizes, lambda b, v=v: _replan(r, {**v, "batch_size": b, "grad_accum": rows // b}), gpu_bytes)
-        changes = {**v, "batch_size": b or 1, "grad_accum": rows // (b or 1)}
-        tried.append((changes, _replan(r, changes)))
-    if not any(p.fits(gpu_bytes) for _, p in tried):
-        one_row = {**ckpt, "batch_size": 1, "grad_accum": rows}
-        t = _largest(list(range(1, r.seq_len)), lambda t: _replan(r, {**one_row, "seq_len": t}), gpu_bytes)
-        if t is not None:
-            tried.append(({**one_row, "seq_len": t}, _replan(r, {**one_row, "seq_len": t})))
-    return tried
-
-
-def advise(plan: MemoryPlan, gpu_bytes: int) -> Advice:
-    """Name the first part of the plan that does not fit on `gpu_bytes` and try only what shrinks that part,
-    re-planning each option. When none fits but the best one gets past this part, go on to the next part."""
-    r, stage = plan.recipe, misfit(plan, gpu_bytes)
-    note = ""
-    if stage == STAGES[0]:
-        dtype = str(r.param_dtype).removeprefix("torch.")
-        problem = _exceeds(f"the {dtype} weights alone", plan.weights, gpu_bytes)
-        tried = [({"dtype": torch.bfloat16}, _replan(r, {"dtype": torch.bfloat16}))] if dtype == "float32" else []
-        note = "no setting helps on one GPU or under DDP (a whole copy per GPU): shard it across GPUs (--shard)"
-    elif stage == STAGES[1]:
-        fixed = plan.persistent + plan.phases["optimizer step"]
-        problem = _exceeds("the weights, optimizer state and gradients", fixed, gpu_bytes) + ", before activations"
-        tried = _fewer_trained(plan, gpu_bytes)
-    elif stage == STAGES[2]:
-        problem = (
-            f"the activations and temporaries of the {plan.peak_phase} ({_size(max(plan.phases.values()))}) on "
-            f"top of the weights and optimizer state ({_size(plan.persistent)}): {_size(plan.required())} needed "
-            f"with the margin, the GPU has {_size(gpu_bytes)}"
-        )
-        tried = _smaller_activations(plan, gpu_bytes)
-    else:
-        return Advice("nothing: it fits")
-    tried = [(c, p) for c, p in tried if _flags(r, c)]
-    options = [(_flags(r, c), p.required()) for c, p in tried if p.fits(gpu_bytes)]
-    if stage in STAGES[:2] and (sharded := shard_option(plan, gpu_bytes)):
-        options.append(sharded)
-    if options or not tried:
-        return Advice(problem, options, note="" if options else note)
-    changes, best = min(tried, key=lambda t: t[1].required())
-    flags = _flags(r, changes)
-    if STAGES.index(misfit(best, gpu_bytes)) == STAGES.index(stage):  # this part does not fit whatever was tried
-        return Advice(problem, closest=None if note else (flags, best.required()), note=note)
-    rest = advise(best, gpu_bytes)  # this part fits now: what else does it take
-    options = [(f"{flags} {f}", n) for f, n in rest.options]
-    closest = (f"{flags} {rest.closest[0]}", rest.closest[1]) if rest.closest else (flags, best.required())
-    return Advice(problem, options, None if options else closest, rest.note)
-
-
-def shard_option(plan: MemoryPlan, gpu_bytes: int) -> tuple[str, int] | None:
-    """Sharding as an option: the fewest GPUs over which `--shard` fits, as flags and the memory each then needs."""
-    r = plan.recipe
-    n = smallest_world(dataclasses.replace(r, shard_group=None), gpu_bytes)
-    if r.shard and n is not None and n <= r.world_size:
-        return None
-    if n is None:
-        return None
-    sharded = _replan(r, {"shard": True, "world_size": n, "nodes": 1, "shard_group": None})
-    return f"--shard on {n} GPUs (torchrun, {n} processes)", sharded.required()
+    return f"  smallest world size that fits, sharded{group}: {n} processes (GPUs), {in_gib(each)} each"
 
 
 def refuse_unfit_replica(r: Recipe, gpu: tuple[str, int], model_ref: str) -> None:
@@ -309,24 +144,9 @@ def refuse_unfit_replica(r: Recipe, gpu: tuple[str, int], model_ref: str) -> Non
     where = f" (planned to fit from {n} GPUs)" if n else ""
     raise PlanDoesNotFit(
         f"{model_ref}: every process would hold a whole replica (DDP), whose weights, optimizer state and gradients "
-        f"need {_size(with_margin(plan.persistent + plan.phases['optimizer step']))}, more than {gpu[0]}'s "
-        f"{_size(gpu[1])}: add --shard to share them out across the processes{where}; --plan shows the figures"
+        f"need {in_gib(with_margin(plan.persistent + plan.phases['optimizer step']))}, more than {gpu[0]}'s "
+        f"{in_gib(gpu[1])}: add --shard to share them out across the processes{where}; --plan shows the figures"
     )
-
-
-def advice_lines(advice: Advice) -> list[str]:
-    lines = [f"  the first part that does not fit: {advice.problem}"]
-    if advice.options:
-        lines.append("  what fits instead (each option re-planned):")
-        lines += [f"    {flags:<62} needs {_size(n)}" for flags, n in advice.options]
-        if any("--max-length" in flags for flags, _ in advice.options):
-            lines.append("    (--max-length cuts each text to that many tokens)")
-    elif advice.closest:
-        flags, n = advice.closest
-        lines.append(f"  nothing tried fits; the closest is {flags} (needs {_size(n)})")
-    if advice.note:
-        lines.append(f"  {advice.note}")
-    return lines
 
 
 # --- the command: finetune_classifier --plan -----------------------------------------------------------------------
@@ -405,5 +225,5 @@ def plan_command(args, train_last: int | None, lora: LoRASettings | None = None)
         for note in notes:
             print(f"  note: {note}")
     if on_gpu and gpu is not None and not plan.fits(gpu[1]):
-        raise PlanDoesNotFit(f"the plan needs {_size(plan.required())}, more than {gpu[0]}'s {_size(gpu[1])}")
+        raise PlanDoesNotFit(f"the plan needs {in_gib(plan.required())}, more than {gpu[0]}'s {in_gib(gpu[1])}")
     return plan.as_dict()

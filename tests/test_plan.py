@@ -407,7 +407,7 @@ def test_sharded_plan_per_process_figures():
 def test_smallest_world_size_that_fits():
     """70B, every layer, checkpointing, 80 GiB GPUs: the fewest sharded processes that fit, in whole nodes of 8
     beyond 8 (of 4 when the recipe runs 4 a node); one node fewer does not fit. 8B on 8 fits with 2."""
-    from llama_scratch.plan import smallest_world, world_sizes
+    from llama_scratch.plan_advice import smallest_world, world_sizes
 
     assert world_sizes()[:6] == [2, 4, 8, 16, 24, 32] and world_sizes(4)[:5] == [2, 4, 8, 12, 16]
     r = Recipe(LlamaConfig.from_name("llama3-70b"), 8, 512, None, dtype=torch.bfloat16, gradient_checkpointing=True)
