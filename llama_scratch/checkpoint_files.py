@@ -291,7 +291,13 @@ def write_safetensors(path: Path, entries: list[TensorToWrite], metadata: dict[s
     not all of them, and `save_file` stages its bytes in a temporary file of its own (`.tmpXXXXXX`) beside the
     target, which a killed run would leave in the output directory under a name no one can prove is ours.
     """
-    header: dict[str, object] = {"__metadata__": {"format": "pt", **(metadata or {})}}
+    metadata, names = {"format": "pt", **(metadata or {})}, [e.name for e in entries]
+    unknown = sorted({str(e.dtype) for e in entries if e.dtype not in _DTYPE_NAMES})
+    strings = all(isinstance(v, str) for v in metadata.values())
+    if unknown or len(set(names)) != len(names) or "__metadata__" in names or not strings:
+        raise ValueError(f"{path}: not writable as safetensors: names must be unique and not __metadata__, metadata "
+                         f"values strings ({metadata}), dtypes known (not {', '.join(unknown) or '-'})")  # fmt: skip
+    header: dict[str, object] = {"__metadata__": metadata}
     offset = 0
     for e in entries:
         nbytes = math.prod(e.shape) * e.dtype.itemsize
@@ -308,7 +314,8 @@ def write_safetensors(path: Path, entries: list[TensorToWrite], metadata: dict[s
                 t = e.make().detach()
                 if tuple(t.shape) != tuple(e.shape) or t.dtype != e.dtype:
                     raise ValueError(f"{e.name}: made {t.dtype} {tuple(t.shape)}, the header says {e.dtype} {e.shape}")
-                f.write(memoryview(t.cpu().contiguous().reshape(-1).view(torch.uint8).numpy()))
+                t = t.resolve_neg().resolve_conj().cpu().contiguous()
+                f.write(memoryview(t.reshape(-1).view(torch.uint8).numpy()))
                 del t
 
     return write_atomic(path, write)

@@ -69,7 +69,7 @@ class Recipe:
     shard: bool = False  # FSDP2 (--shard): every parameter, gradient and moment split across the world_size processes
     shard_group: int | None = None  # hybrid sharding (--shard-group): split across this many, replicated beyond
     grad_accum: int = 1  # >1: gradients stay allocated through the next micro-batch's forward
-    device_type: str = "cuda"  # "cuda": fused AdamW and the flash attention layout; "cpu": what CPU kernels do
+    device_type: str = "cuda"  # "cuda": the flash attention layout; "cpu": what CPU kernels do
     lora: LoRASettings | None = None  # adapters in the trained blocks, whose own weights and norms stay frozen
 
     def __post_init__(self) -> None:
@@ -259,9 +259,9 @@ def optimizer_bytes(r: Recipe, counts) -> tuple[int, int]:
     master = r.optimizer_state == "float32" and s < FP32
     state_size = FP32 if r.optimizer_state == "float32" else s
     state = 2 * state_size * p + (FP32 * p if master else 0)
-    # fused AdamW on a GPU needs no temporaries; per-tensor AdamW (CPU, and sharded parameters anywhere) holds a few
-    # of the largest: sqrt(v), ...
-    per_tensor = r.device_type != "cuda" or r.shard
+    # fused AdamW (GPUs and CPUs) needs no temporaries; per-tensor AdamW (sharded parameters) holds a few of the
+    # largest: sqrt(v), ...
+    per_tensor = r.shard
     temporaries = 3 * state_size * counts.largest_trainable if per_tensor else 0
     if not master:
         return state, temporaries

@@ -120,7 +120,10 @@ def restore(record: dict, model: nn.Module, optimizer, scheduler, path: Path) ->
     trained = [name for name, p in model.named_parameters() if p.requires_grad]
     copy_named_tensors(model, record["trained"], str(path), required=trained)
     try:
+        kernels = [{k: g.get(k) for k in ("fused", "foreach")} for g in optimizer.param_groups]
         optimizer.load_state_dict(record["optimizer"])
+        for group, kernel in zip(optimizer.param_groups, kernels, strict=True):  # this run's kernel, not the saved
+            group.update(kernel)  # one's (a point from an older version would step one tensor at a time)
         scheduler.load_state_dict(record["scheduler"])
         torch.set_rng_state(record["rng"])
         if record.get("cuda_rng") is not None and torch.cuda.is_available():

@@ -122,3 +122,25 @@ def test_bfloat16_training_with_the_default_recipe_learns_like_float32():
           f"param {distance(lossy):.3f}")  # fmt: skip
     assert moved["param"] == 0.0 and moved["default"] > 0.5
     assert distance(default) < 0.5 * distance(lossy)
+
+
+def test_make_optimizer_fuses_on_the_cpu_and_matches_one_tensor_at_a_time():
+    """The fused kernel (make_optimizer's choice on CPUs and GPUs) steps float32 masters as the per-tensor loop does."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 8), nn.LayerNorm(8)).bfloat16()
+    reference = nn.Sequential(nn.Linear(16, 8), nn.LayerNorm(8)).bfloat16()
+    reference.load_state_dict(model.state_dict())
+    fused = make_optimizer(model, TrainSettings())
+    assert isinstance(fused, MasterWeightAdamW) and all(g["fused"] for g in fused.param_groups)
+    groups = [{"params": [p for p in reference.parameters() if p.ndim >= 2], "weight_decay": 0.1},
+              {"params": [p for p in reference.parameters() if p.ndim < 2], "weight_decay": 0.0}]  # fmt: skip
+    loop = MasterWeightAdamW(groups, lr=TrainSettings().lr, betas=(0.9, 0.95), eps=1e-8, foreach=False)
+    for step in range(4):
+        for net in (model, reference):
+            for i, p in enumerate(net.parameters()):
+                p.grad = grads(10 * step + i, p.shape)
+            torch.nn.utils.clip_grad_norm_(list(net.parameters()), 1.0)
+        fused.step()
+        loop.step()
+    for a, b in zip(fused.masters, loop.masters, strict=True):
+        torch.testing.assert_close(a, b, rtol=0, atol=1e-6)

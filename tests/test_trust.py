@@ -327,3 +327,16 @@ def test_a_file_with_100k_labels_is_refused_before_training(tmp_path, capsys):
     err = capsys.readouterr().err
     assert "100,000 distinct labels in 100,000 rows" in err and "--label-column" in err, err
     assert time.perf_counter() - started < 30 and not (tmp_path / "o").exists()
+
+
+def test_a_resume_point_of_an_unfused_optimizer_resumes_with_this_runs_kernel(tmp_path):
+    """A point saved by a version that stepped one tensor at a time on the CPU carries `fused: None` in its groups;
+    the resumed run keeps its own (fused) kernel rather than the saved one."""
+    clf, opt, sched, s = resume_parts()
+    for group in opt.param_groups:
+        group["fused"] = None  # as an older version saved it
+    path = tmp_path / "resume.safetensors"
+    train.save_resume_point(path, clf, opt, sched, train.TrainState(step=1), s, {})
+    clf2, opt2, sched2, _ = resume_parts()
+    train.load_resume_point(path, clf2, opt2, sched2, s, {})
+    assert all(g["fused"] is True for g in opt2.param_groups)

@@ -345,6 +345,16 @@ def test_our_safetensors_writer_is_read_back_by_safetensors(tmp_path):
     with pytest.raises(ValueError, match="w: made torch.float32 \\(3,\\), the header says"):
         write_safetensors(tmp_path / "y.safetensors", wrong)
     assert not (tmp_path / "y.safetensors").exists()
+    refused = {
+        "metadata that is not a string": (tensors_to_write({"a": torch.zeros(1)}), {"step": 3}),
+        "a repeated name": (tensors_to_write({"a": torch.zeros(1)}) * 2, None),
+        "the reserved name": (tensors_to_write({"__metadata__": torch.zeros(1)}), None),
+        "a dtype safetensors has no name for here": (tensors_to_write({"a": torch.zeros(1, dtype=torch.uint16)}), None),
+    }
+    for why, (entries, meta) in refused.items():
+        with pytest.raises(ValueError, match="not writable as safetensors"):
+            write_safetensors(tmp_path / "z.safetensors", entries, meta)
+        assert not (tmp_path / "z.safetensors").exists(), why
 
 
 def test_save_weights_writes_tied_tensors_once(tmp_path):
