@@ -76,7 +76,7 @@ def use_cache(
     frozen = clf.frozen_blocks
     if choice == "off" or frozen == 0:
         return False
-    size = sum(cache_bytes(rows, clf) for rows in ids.values())
+    size = cache_bytes(list({tuple(t): t for rows in ids.values() for t in rows}.values()), clf)  # distinct texts
     if choice == "auto":
         room = min(memory_budget(device), free_memory(device) // 2)  # the rest is for training itself
         if device.type == "cpu":
@@ -92,10 +92,17 @@ def use_cache(
 
 
 def cache_splits(clf: LlamaClassifier, splits: dict[str, Split], rows: int, env: Dist) -> dict[str, Split]:
-    """The same splits, each text carrying its frozen-prefix output (the training loop then runs only the rest)."""
+    """The same splits, each text carrying its frozen-prefix output (the training loop then runs only the rest).
+
+    Every distinct text runs once, whichever splits hold it, and its copies share one tensor: labelled data often
+    repeats itself (the SMS collection's book split holds 1,494 texts, 1,390 distinct: 10% of the tokens).
+    """
+    distinct: dict[tuple[int, ...], int] = {}
+    for split in splits.values():
+        for ids in split.ids:
+            distinct.setdefault(tuple(ids), len(distinct))
+    pad_id = next(iter(splits.values())).pad_id
+    states = compute_frozen_states(clf, [list(ids) for ids in distinct], pad_id, rows, env=env, packed=True)
     return {
-        k: Split(
-            v.ids, v.labels, compute_frozen_states(clf, v.ids, v.pad_id, rows, env=env, name=k, packed=True), v.pad_id
-        )
-        for k, v in splits.items()
+        k: Split(v.ids, v.labels, [states[distinct[tuple(ids)]] for ids in v.ids], v.pad_id) for k, v in splits.items()
     }

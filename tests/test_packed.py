@@ -7,11 +7,12 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from llama_scratch import Llama, LlamaClassifier, LlamaConfig
+from llama_scratch import Llama, LlamaClassifier, LlamaConfig, prefix_cache
 from llama_scratch.batching import Split, forward, to_batch
+from llama_scratch.distributed import Dist
 from llama_scratch.lora import LoRASettings
 from llama_scratch.packing import pack, pack_ids
-from llama_scratch.prefix_cache import compute_frozen_states
+from llama_scratch.prefix_cache import cache_splits, compute_frozen_states
 
 CFG = LlamaConfig(
     vocab_size=97, dim=64, n_layers=3, n_heads=8, n_kv_heads=2, ffn_dim=96, max_seq_len=64, dtype=torch.float32
@@ -79,7 +80,7 @@ def test_packed_frozen_prefix_equals_padded():
     """The frozen-prefix pass packed gives the padded pass's states, and training on them packed the same logits."""
     clf = LlamaClassifier(tiny(), num_classes=3, train_last=1).eval()
     data = split()
-    packed = compute_frozen_states(clf, data.ids, data.pad_id, batch_size=3, show=False)
+    packed = compute_frozen_states(clf, data.ids, data.pad_id, batch_size=3, show=False, packed=True)
     padded = compute_frozen_states(clf, data.ids, data.pad_id, batch_size=3, show=False, packed=False)
     for a, b, n in zip(packed, padded, LENGTHS, strict=True):
         assert a.shape == (n, CFG.dim)
@@ -89,6 +90,31 @@ def test_packed_frozen_prefix_equals_padded():
         want = forward(clf, to_batch(data, [3, 0, 2], "left", torch.device("cpu")))
         got = forward(clf, to_batch(cached, [3, 0, 2], "packed", torch.device("cpu")))
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_cache_splits_runs_each_distinct_text_once(monkeypatch):
+    """A text in two splits, or twice in one, runs through the frozen blocks once; its copies share that one tensor,
+    equal to the text run alone, and the splits keep their order, ids and labels."""
+    clf = LlamaClassifier(tiny(), num_classes=3, train_last=1).eval()
+    a, b, c, d = split().ids
+    splits = {"train": Split([a, b, a], [0, 1, 0], pad_id=0), "test": Split([c, b, d], [1, 1, 2], pad_id=0)}
+    ran = []
+    real = prefix_cache.compute_frozen_states
+
+    def recording(clf, token_lists, *args, **kwargs):
+        ran.append([list(t) for t in token_lists])
+        return real(clf, token_lists, *args, **kwargs)
+
+    monkeypatch.setattr(prefix_cache, "compute_frozen_states", recording)
+    cached = cache_splits(clf, splits, rows=3, env=Dist())
+    assert ran == [[a, b, c, d]]  # once, every distinct text, in order of first appearance
+    train, test = cached["train"].states, cached["test"].states
+    assert train[0] is train[2] and train[1] is test[1]
+    alone = [real(clf, [t], 0, batch_size=1, show=False, packed=True)[0] for t in (a, b, c, d)]
+    for got, i in zip([*train, *test], [0, 1, 0, 2, 1, 3], strict=True):
+        torch.testing.assert_close(got, alone[i], rtol=1e-5, atol=1e-5)
+    for name in splits:
+        assert (cached[name].ids, cached[name].labels) == (splits[name].ids, splits[name].labels)
 
 
 def test_last_layer_hidden_states_match_an_unpadded_run():
