@@ -7,6 +7,9 @@ blocks on it: after the first pass, an epoch costs about k/L of a full forward a
 
 from __future__ import annotations
 
+import itertools
+from collections.abc import Iterable
+
 import torch
 from tqdm.auto import tqdm
 
@@ -16,6 +19,14 @@ from .classifier import LlamaClassifier
 from .devices import free_memory, memory_budget
 from .distributed import Dist
 from .packing import pack_ids
+
+
+def distinct_texts(token_lists: Iterable[list[int]]) -> dict[tuple[int, ...], int]:
+    """Each distinct text's index among the distinct ones, in order of first appearance: a repeat runs only once."""
+    distinct: dict[tuple[int, ...], int] = {}
+    for ids in token_lists:
+        distinct.setdefault(tuple(ids), len(distinct))
+    return distinct
 
 
 def cache_bytes(token_lists: list[list[int]], clf: LlamaClassifier) -> int:
@@ -76,7 +87,7 @@ def use_cache(
     frozen = clf.frozen_blocks
     if choice == "off" or frozen == 0:
         return False
-    size = cache_bytes(list({tuple(t): t for rows in ids.values() for t in rows}.values()), clf)  # distinct texts
+    size = cache_bytes(list(distinct_texts(itertools.chain(*ids.values()))), clf)  # each distinct text once
     if choice == "auto":
         room = min(memory_budget(device), free_memory(device) // 2)  # the rest is for training itself
         if device.type == "cpu":
@@ -97,10 +108,7 @@ def cache_splits(clf: LlamaClassifier, splits: dict[str, Split], rows: int, env:
     Every distinct text runs once, whichever splits hold it, and its copies share one tensor: labelled data often
     repeats itself (the SMS collection's book split holds 1,494 texts, 1,390 distinct: 10% of the tokens).
     """
-    distinct: dict[tuple[int, ...], int] = {}
-    for split in splits.values():
-        for ids in split.ids:
-            distinct.setdefault(tuple(ids), len(distinct))
+    distinct = distinct_texts(itertools.chain(*(split.ids for split in splits.values())))
     pad_id = next(iter(splits.values())).pad_id
     states = compute_frozen_states(clf, [list(ids) for ids in distinct], pad_id, rows, env=env, packed=True)
     return {
