@@ -10,7 +10,7 @@ from .lora import TARGETS
 from .train import TrainSettings
 
 
-def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+def build_parser() -> argparse.ArgumentParser:
     """The command line, in groups; every recipe default comes from TrainSettings and is named once in its help."""
     d = TrainSettings()
     p = argparse.ArgumentParser(
@@ -107,4 +107,71 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    f"(default: {d.save_every})")  # fmt: skip
     g.add_argument("--resume", action="store_true", help="continue the interrupted run in --output")
     g.add_argument("--overwrite", action="store_true", help="replace the run in --output, finished or not")
-    return p.parse_args(argv)
+    return p
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """The flags, and in `given` the names of those typed on this command line: `--resume` takes every other one
+    from the flags the run was started with (`resumed_flags`)."""
+    args = build_parser().parse_args(argv)
+    # A second parser whose defaults are all "absent" holds only what was typed (argparse has no other way to
+    # tell `--epochs 5` from the default 5).
+    typed = build_parser()
+    for action in typed._actions:
+        action.default = argparse.SUPPRESS
+    args.given = set(vars(typed.parse_args(argv)))
+    return args
+
+
+# What a resumed run may change: how it computes, saves or plans, never what it trains on or how.
+CHANGEABLE_ON_RESUME = frozenset(
+    {
+        "save_every",
+        "device",
+        "cache_frozen",
+        "compile",
+        "deterministic",
+        "gradient_checkpointing",
+        "shard",
+        "shard_group",
+        "plan",
+        "world_size",
+        "nodes",
+        "gpu_memory",
+    }
+)
+_NOT_RECORDED = ("output", "resume", "overwrite", "given")  # this invocation's, not the run's
+
+
+def _plain(value):
+    """A flag's value as JSON keeps it (paths as text)."""
+    return str(value) if isinstance(value, Path) else value
+
+
+def recorded_flags(args: argparse.Namespace) -> dict:
+    """The flags a run was started with, as JSON values (the run's output directory keeps them for --resume)."""
+    return {k: _plain(v) for k, v in vars(args).items() if k not in _NOT_RECORDED}
+
+
+def resumed_flags(args: argparse.Namespace, recorded: dict, where: Path) -> argparse.Namespace:
+    """`--resume`: every flag not typed again takes the value the run was started with, so `--resume --output RUN`
+    alone continues RUN. A flag typed again must agree, unless it only changes how the run computes or saves
+    (CHANGEABLE_ON_RESUME); a disagreement is refused here, before any data or weight is read."""
+    typed = getattr(args, "given", set())
+    flags = {a.dest: a.option_strings[0] for a in build_parser()._actions if a.option_strings}
+    differ = [
+        k
+        for k in sorted(typed & recorded.keys())
+        if k not in CHANGEABLE_ON_RESUME and _plain(getattr(args, k)) != recorded[k]
+    ]
+    if differ:
+        told = lambda v: "not given" if v is None else repr(v)  # noqa: E731
+        shown = "; ".join(f"{flags.get(k, k)} was {told(recorded[k])}, now {told(getattr(args, k))}" for k in differ)
+        raise ValueError(
+            f"--resume: {where} was started with other flags ({shown}); leave them out to continue with the run's "
+            "own, or start a new run without --resume"
+        )
+    for k, v in recorded.items():
+        if k not in typed and k not in _NOT_RECORDED:
+            setattr(args, k, v)
+    return args

@@ -12,6 +12,7 @@ import os
 import sys
 import time
 import warnings
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -27,19 +28,23 @@ from .devices import choose_dtype, make_deterministic
 from .distributed import Dist
 from .download import DownloadError
 from .evaluation import evaluate, per_class, warn_if_one_class
-from .finetune_args import parse_args
+from .finetune_args import parse_args, recorded_flags, resumed_flags
 from .interrupts import sigterm_as_ctrl_c
 from .lora import TARGETS, LoRASettings
 from .plan import Recipe, count_parameters
 from .plan_report import detect_gpu, plan_command, plans_from_scratch, refuse_unfit_replica
 from .prefix_cache import cache_splits, use_cache
+from .resume import ResumeError, read_point
 from .run_dir import (
     BEST_FILE,
     RESULT_WEIGHTS,
     base_model_record,
     check_output,
     default_output,
+    interrupted,
+    latest_run,
     new_run_id,
+    read_flags,
     start_output,
     write_results,
 )
@@ -55,7 +60,17 @@ from .sources import (
 )
 from .splits import default_protocol, split_dataset
 from .tokenizer import Tokenizer
-from .train import TrainingDiverged, TrainSettings, balanced_weights, epochs_for_min_steps, train
+from .train import (
+    RESUME_DIR,
+    RESUME_FILE,
+    TrainingDiverged,
+    TrainSettings,
+    TrainState,
+    balanced_weights,
+    check_same_run,
+    epochs_for_min_steps,
+    train,
+)
 from .weights import copy_named_tensors, save_weights
 
 
@@ -216,51 +231,84 @@ def tokenize(parts: dict[str, LabelledTexts], tokenizer: Tokenizer, context: int
     }, max_length
 
 
-def run(args: argparse.Namespace) -> dict:
-    """The main job in phases: data, model, output, tokens, recipe, training, results."""
-    if args.plan:  # before the process group, the data and the weights: nothing is allocated
-        if args.model is None:  # the default model may have to be downloaded: a plan names its model instead
-            raise ValueError("--plan needs --model: a preset (e.g. llama3-8b), a checkpoint directory or a repo id")
-        scratch = plans_from_scratch(args.model)
-        return plan_command(args, chosen_train_last(args.train_last, scratch), lora_settings(args, scratch))
+@dataclass
+class Progress:
+    """Where a run stands, for the message an interrupt leaves: what it was doing, and its output directory once
+    that exists (it then holds the run's flags, and later its resume points)."""
+
+    phase: str = "starting"
+    out: Path | None = None
+
+
+def prepare(args: argparse.Namespace, progress: Progress) -> tuple[Job, TrainSettings, Callable[..., None]]:
+    """The phases before anything large is loaded: processes, flags (a resumed run's own), data, the model's
+    choice, the recipe and the output directory. A resume point of another run is refused here, not after minutes
+    of loading and caching."""
     if args.shard_group is not None and not args.shard:
         raise ValueError("--shard-group G needs --shard")
     env, device = distributed.setup(args.device)
     log = print if env.is_main else (lambda *a, **k: None)
     if not env.is_main:
         warnings.simplefilter("ignore", DataWarning)
+    if args.resume:  # the run's own flags for those not typed again, before anything is read
+        args.output = args.output or latest_run()
+        recorded = distributed.broadcast_object(read_flags(args.output) if env.is_main else None)
+        if recorded is not None:
+            args = resumed_flags(args, recorded, args.output)
     started = time.perf_counter()
     torch.manual_seed(args.seed)
+    progress.phase = "reading the data"
     data, parts, protocol = read_data(args, log)
+    progress.phase = "finding the model"
     choice = choose_model(args, env, device, log)
-    out = args.output or distributed.broadcast_object(
-        default_output(choice.ref, args.data, args.resume) if env.is_main else None
-    )
+    out = args.output or distributed.broadcast_object(default_output(choice.ref, args.data) if env.is_main else None)
     log(f"output: {out}/")
     check_output(out, args.resume, args.overwrite)  # before anything is loaded or written
     job = Job(args, env, device, started, data, parts, protocol, choice, out)
+    settings = recipe(args, choice.from_scratch, parts["train"].labels, data.num_classes, env, log)
+    if args.resume:
+        check_resume_point(job, settings)  # another run's point is refused before minutes of loading and caching
+    start_output(out, args.resume, args.output is None, env, recorded_flags(args))
+    progress.out = out
     if device.type == "cuda" and env.enabled and not job.sharded:  # before a replica that cannot fit is loaded
         refuse_unfit_replica(replica_recipe(job), detect_gpu(), choice.ref)
+    return job, settings, log
+
+
+def run(args: argparse.Namespace, progress: Progress | None = None) -> dict:
+    """The main job in phases: data, model, output, tokens, recipe, training, results."""
+    progress = progress or Progress()
+    if args.plan:  # before the process group, the data and the weights: nothing is allocated
+        if args.model is None:  # the default model may have to be downloaded: a plan names its model instead
+            raise ValueError("--plan needs --model: a preset (e.g. llama3-8b), a checkpoint directory or a repo id")
+        scratch = plans_from_scratch(args.model)
+        return plan_command(args, chosen_train_last(args.train_last, scratch), lora_settings(args, scratch))
+    job, settings, log = prepare(args, progress)
+    args, env, device, choice, out, parts = job.args, job.env, job.device, job.choice, job.out, job.parts
+    progress.phase = "loading the weights"
     clf, tokenizer, tokenizer_ref = build_classifier(job, log)
     splits, max_length = tokenize(parts, tokenizer, clf.backbone.cfg.max_seq_len, args.max_length, log)
-    settings = recipe(args, choice.from_scratch, parts["train"].labels, data.num_classes, env, log)
     n_train = sum(p.numel() for p in clf.trainable_parameters().values())
     log(f"training {n_train:,} of {sum(p.numel() for p in clf.parameters()):,} parameters on {device} in "
         f"{choice.dtype}" + (f", sharded across {env.world_size} processes" if job.sharded else ""))  # fmt: skip
     cache = "off" if job.sharded else args.cache_frozen  # each process holds only rows of the frozen blocks
     if job.sharded and args.cache_frozen == "on":
         log("--cache-frozen on: not under --shard (each process holds rows of the frozen blocks, not whole ones)")
+    progress.phase = "running the frozen layers once per text (the frozen-prefix cache)"
     if use_cache(cache, clf, {k: v.ids for k, v in splits.items()}, device, env, log):
         splits = cache_splits(clf, splits, settings.eval_rows, env)
     if args.compile:
         compile_token_wise(clf)
     model = clf if job.sharded else distributed.wrap(clf, env, device)
-    start_output(out, args.resume, args.output is None, env)
     save = functools.partial(save_classifier, clf, choice.from_scratch, env)
+    progress.phase = "training"
     state = train(model, splits, settings, env, device, out, args.resume,
                   lambda epoch: save(out / BEST_FILE), log, run_identity=run_identity(job, max_length))  # fmt: skip
+    progress.phase = "evaluating the best weights"
+    log(kept_epoch(state))
     metrics = final_metrics(job, model, clf, splits, settings, state)
     run_id = distributed.broadcast_object(new_run_id())
+    progress.phase = "writing the results"
     save(out / RESULT_WEIGHTS, {"run_id": run_id})  # every process: a sharded model is gathered tensor by tensor
     if env.is_main:
         meta = classifier_meta(job, clf, tokenizer_ref, max_length, settings)
@@ -268,9 +316,46 @@ def run(args: argparse.Namespace) -> dict:
         warn_if_one_class(metrics["val_accuracy"], parts["val"].labels, log)
         log(
             f"test accuracy {metrics['test_accuracy']:.2%} (val {metrics['val_accuracy']:.2%}, train "
-            f"{metrics['train_accuracy']:.2%}); {metrics['seconds']:.0f} s. Results in {out}/"
+            f"{metrics['train_accuracy']:.2%}; epoch {metrics['best_epoch']}'s weights); {metrics['seconds']:.0f} s. "
+            f"Results in {out}/"
         )
     return metrics
+
+
+def kept_epoch(state: TrainState) -> str:
+    """Which epoch's weights the run keeps, and why: the final figures are theirs, not the last epoch's (whose
+    training accuracy was also counted on the batches as they trained, not in a pass of its own)."""
+    last = state.history[-1]["epoch"] if state.history else 0
+    best = next((r for r in state.history if r["epoch"] == state.best_epoch), None)
+    if best is None:
+        return "no epoch was evaluated: keeping the weights as they are"
+    why = f"the best validation accuracy, {best['val_accuracy']:.2%}, at validation loss {best['val_loss']:.4f}"
+    if state.best_epoch == last:
+        return f"keeping the last epoch's weights (epoch {last}: {why})"
+    return f"keeping epoch {state.best_epoch}'s weights, not epoch {last}'s ({why}); the figures below are for them"
+
+
+def check_resume_point(job: Job, settings: TrainSettings) -> None:
+    """--resume: refuse a resume point of another run now, with everything known before the weights load (the
+    loop checks again when it reads the point, with the max length as well). Rank 0 reads; all refuse alike."""
+    env, out = job.env, job.out
+    single, parts = out / RESUME_FILE, out / RESUME_DIR
+
+    def problem() -> str | None:
+        path = sharding.part_path(parts, env) if job.sharded and parts.is_dir() else single
+        if not path.is_file():
+            return None
+        identity = {"world_size": env.world_size, **run_identity(job, job.args.max_length)}
+        if job.args.max_length is None:  # known once the texts are tokenized
+            identity.pop("max_length")
+        try:
+            check_same_run(path, read_point(path, tensors=False), settings, identity, partial=True)
+        except ResumeError as e:
+            return str(e)
+        return None
+
+    if message := distributed.broadcast_object(problem() if env.is_main else None):
+        raise ResumeError(message)
 
 
 def classifier_meta(job: Job, clf: LlamaClassifier, tokenizer_ref: str, max_length: int, settings: TrainSettings
@@ -375,9 +460,12 @@ def main(argv: list[str] | None = None) -> int:
     if args.deterministic:
         make_deterministic()
     sigterm_as_ctrl_c()
+    progress = Progress()
     try:
-        run(args)
+        run(args, progress)
     except KeyboardInterrupt:
+        if os.environ.get("RANK", "0") == "0":
+            print(f"\n{interrupted(progress.out, progress.phase)}", file=sys.stderr)
         return 130
     # DataError, CheckpointError, OutputError and ResumeError are ValueErrors: bad input, told in one line.
     except (DownloadError, TrainingDiverged, FileNotFoundError, ValueError) as e:

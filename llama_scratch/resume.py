@@ -92,14 +92,15 @@ def write_point(path: Path, trained: dict[str, torch.Tensor], optimizer, schedul
     return write_safetensors(path, tensors_to_write(tensors), metadata)
 
 
-def read_point(path: Path) -> dict:
-    """The record `write_point` wrote, tensors included. Never unpickles: a hostile file is refused."""
+def read_point(path: Path, tensors: bool = True) -> dict:
+    """The record `write_point` wrote, tensors included (or, with `tensors=False`, only its JSON: counters, settings
+    and identity, read from the header without touching the tensors' bytes). Never unpickles."""
     try:
         with safe_open(path, framework="pt") as f:
             record = json.loads((f.metadata() or {}).get("llama_scratch", "null"))
             if not isinstance(record, dict) or record.get("format") != FORMAT:
                 raise ResumeError(f"{path} is not a llama_scratch resume point ({FORMAT})")
-            return _decode(record, f)
+            return _decode(record, f) if tensors else record
     except (SafetensorError, OSError, ValueError, KeyError, TypeError, AttributeError) as e:
         raise ResumeError(f"{path} is not a readable resume point: {e}") from None
 

@@ -17,6 +17,7 @@ import io
 import json
 import os
 import re
+import shlex
 import shutil
 import time
 import uuid
@@ -30,8 +31,9 @@ from .train import RESUME_DIR, RESUME_FILE
 
 RUNS_DIR = Path("runs")  # where runs go when --output is not given
 BEST_FILE = "best.safetensors"  # the best trained weights so far, while the run trains
+FLAGS_FILE = "run_flags.json"  # the flags the run was started with: `--resume --output RUN` needs no others
 RESULT_WEIGHTS = "classifier.safetensors"
-WORK_FILES = (RESUME_FILE, BEST_FILE, RESUME_DIR)
+WORK_FILES = (RESUME_FILE, BEST_FILE, RESUME_DIR, FLAGS_FILE)
 RESULT_FILES = (
     RESULT_WEIGHTS,
     "history.csv",
@@ -112,13 +114,51 @@ def clear_run(out: Path) -> None:
                 remove_ours(path)
 
 
-def default_output(model_ref: str, data: str, resume: bool, runs: Path = RUNS_DIR) -> Path:
+def latest_run(runs: Path = RUNS_DIR) -> Path:
+    """What `--resume` without `--output` continues: the run runs/latest points at."""
+    if not (runs / "latest").exists():
+        raise OutputError(f"--resume without --output continues {runs}/latest, which does not exist; pass --output")
+    return (runs / "latest").resolve()
+
+
+def read_flags(out: Path) -> dict | None:
+    """The flags the run in `out` was started with (None: no record, as in a run of an older version)."""
+    path = out / FLAGS_FILE
+    if not path.is_file():
+        return None
+    try:
+        flags = json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise OutputError(f"{path} is not readable JSON ({e}); resume with every flag given, or --overwrite") from None
+    if not isinstance(flags, dict):
+        raise OutputError(f"{path} does not hold the run's flags; resume with every flag given, or --overwrite")
+    return flags
+
+
+def has_resume_point(out: Path) -> bool:
+    """Whether `out` holds progress to continue (a resume point, single or sharded)."""
+    return (out / RESUME_FILE).is_file() or (out / RESUME_DIR).is_dir()
+
+
+def interrupted(out: Path | None, phase: str) -> str:
+    """What a Ctrl-C (or SIGTERM) while `phase` leaves in `out` (None: not made yet), and the command that continues
+    from it: `--resume --output OUT` alone, since the run's flags are kept there."""
+    if out is None:
+        return f"interrupted while {phase}: nothing was written; run the same command to start again"
+    flags = f"--resume --output {shlex.quote(str(out))}"
+    torchrun = "WORLD_SIZE" in os.environ  # launched by torchrun: its own flags must be given again
+    again = f"{'the same torchrun command with' if torchrun else 'python -m llama_scratch.finetune_classifier'} {flags}"
+    if has_resume_point(out):
+        return f"interrupted while {phase}; continue with: {again}"
+    return (
+        f"interrupted while {phase}, before the first training step: nothing was trained yet. {out}/ keeps the "
+        f"run's flags; start it again with: {again}"
+    )
+
+
+def default_output(model_ref: str, data: str, runs: Path = RUNS_DIR) -> Path:
     """A new directory per run, named for the model, the data file (with its type: x.csv and x.jsonl differ) and
-    the time, so that no run lands in another's folder. `--resume` without `--output` continues runs/latest."""
-    if resume:
-        if not (runs / "latest").exists():
-            raise OutputError(f"--resume without --output continues {runs}/latest, which does not exist; pass --output")
-        return (runs / "latest").resolve()
+    the time, so that no run lands in another's folder."""
     name = Path(data).name.replace(".", "-")
     base = runs / f"{Path(model_ref).name}-{name}-{time.strftime('%Y%m%d-%H%M%S')}"
     out, n = base, 1
@@ -173,16 +213,22 @@ def _pyplot():
     return plt
 
 
-def plot_history(rows: list[dict], path: Path) -> None:
-    """history.png: loss and accuracy per epoch, training and validation."""
+def plot_history(rows: list[dict], path: Path, best_epoch: int | None = None) -> None:
+    """history.png: loss and accuracy per epoch, training and validation, with the epoch whose weights the run kept
+    marked (the final figures are that epoch's, not necessarily the last one's)."""
     plt = _pyplot()
     epochs = [r["epoch"] for r in rows]
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(9, 3.5))
     for split in ("train", "val"):
         ax1.plot(epochs, [r[f"{split}_loss"] for r in rows], marker="o", label=split)
         ax2.plot(epochs, [r[f"{split}_accuracy"] for r in rows], marker="o", label=split)
-    ax1.set(xlabel="epoch", ylabel="loss", title="loss")
-    ax2.set(xlabel="epoch", ylabel="accuracy", title="accuracy")
+    for ax, what in ((ax1, "loss"), (ax2, "accuracy")):
+        ax.set(xlabel="epoch", ylabel=what, title=what)
+        # Whole epochs only, half an epoch of margin: one epoch alone would otherwise get an axis from 0.96 to 1.04.
+        ax.set_xticks(epochs)
+        ax.set_xlim(min(epochs, default=1) - 0.5, max(epochs, default=1) + 0.5)
+        if best_epoch in epochs:
+            ax.axvline(best_epoch, color="grey", linestyle="--", linewidth=1, label=f"kept (epoch {best_epoch})")
     ax1.legend()
     fig.tight_layout()
     write_atomic(path, lambda tmp: fig.savefig(tmp, format="png", dpi=100))
@@ -214,16 +260,18 @@ def write_results(out: Path, run_id: str, metrics: dict, meta: dict, history: li
     classifier.json (what classify reads first) last, all tied by one run id; then the run's working files go."""
     metrics["run_id"] = meta["run_id"] = run_id
     write_text_atomic(out / "history.csv", history_csv(history))
-    plot_history(history, out / "history.png")
+    plot_history(history, out / "history.png", metrics.get("best_epoch"))
     plot_confusion(metrics["test_confusion"], metrics["label_names"], out / "confusion.png")
     write_text_atomic(out / "metrics.json", json.dumps(metrics, indent=2) + "\n")
     write_text_atomic(out / "classifier.json", json.dumps(meta, indent=2) + "\n")
-    for name in (BEST_FILE, RESUME_FILE, RESUME_DIR):  # spent; the resume point last: a crash here reads "unfinished"
+    for name in (BEST_FILE, FLAGS_FILE, RESUME_FILE, RESUME_DIR):  # spent; the resume point last: a crash here
+        # reads "unfinished"
         remove_ours(out / name)
 
 
-def start_output(out: Path, resume: bool, pointed: bool, env: Dist) -> None:
-    """A fresh run clears what an earlier run of ours left in `out` (check_output has refused anything else)."""
+def start_output(out: Path, resume: bool, pointed: bool, env: Dist, flags: dict) -> None:
+    """A fresh run clears what an earlier run of ours left in `out` (check_output has refused anything else), and
+    records the flags it was started with (a resumed run keeps the record it was started with)."""
     distributed.barrier()
     if env.is_main:
         if not resume:
@@ -231,6 +279,8 @@ def start_output(out: Path, resume: bool, pointed: bool, env: Dist) -> None:
         out.mkdir(parents=True, exist_ok=True)
         if not (out / MARKER).exists():
             write_text_atomic(out / MARKER, "llama_scratch fine-tuning run: this tool may replace the files here\n")
+        if not (out / FLAGS_FILE).exists():
+            write_text_atomic(out / FLAGS_FILE, json.dumps(flags, indent=2) + "\n")
         if pointed:  # a default output folder: runs/latest points at it
             point_latest(out)
     distributed.barrier()

@@ -175,11 +175,25 @@ def save_resume_point(
     resume.write_point(path, trainable_state(model), optimizer, scheduler, **plain)
 
 
+def check_same_run(path: Path, record: dict, settings: TrainSettings, identity: dict, partial: bool = False) -> None:
+    """Refuse (by name) a resume point whose settings, data or model differ from this run's. `partial`: compare only
+    what `identity` holds, for a look before everything is known (the command's check before the weights load)."""
+    try:
+        saved = {**record["settings"], **record["identity"]}
+    except (KeyError, TypeError) as e:
+        raise resume.ResumeError(f"{path} is not a usable resume point: {e}") from None
+    now = {**asdict(settings), **identity}
+    for changeable in ("save_every",):  # how often to save may change between the two halves of a run
+        saved.pop(changeable, None), now.pop(changeable, None)
+    if partial:
+        saved = {k: v for k, v in saved.items() if k in now}
+    resume.check_same_run(path, saved, now)
+
+
 def load_resume_point(path: Path, model, optimizer, scheduler, settings: TrainSettings, identity: dict) -> TrainState:
     """Continue from `path`, refusing (by name) any setting, data or model that differs from the saved run's."""
     record = resume.read_point(path)
     try:
-        saved = {**record["settings"], **record["identity"]}
         state = {k: v for k, v in record["state"].items() if k in {f.name for f in fields(TrainState)}}
         defaults = asdict(TrainState())  # a counter this version dropped is ignored; a new one starts at its default
         if bad := [k for k, v in state.items() if type(v) is not type(defaults[k]) and not (
@@ -187,10 +201,7 @@ def load_resume_point(path: Path, model, optimizer, scheduler, settings: TrainSe
             raise TypeError(f"state entries of the wrong type: {', '.join(bad)}")
     except (KeyError, TypeError, AttributeError, ValueError) as e:
         raise resume.ResumeError(f"{path} is not a usable resume point: {e}") from None
-    now = {**asdict(settings), **identity}
-    for changeable in ("save_every",):  # how often to save may change between the two halves of a run
-        saved.pop(changeable, None), now.pop(changeable, None)
-    resume.check_same_run(path, saved, now)
+    check_same_run(path, record, settings, identity)
     if sharding.is_sharded(model):  # each process's rows, made DTensors like the parameters again
         sharding.as_sharded(record, model, optimizer)
     resume.restore(record, distributed.unwrap(model), optimizer, scheduler, path)
@@ -395,6 +406,6 @@ def train(
     except KeyboardInterrupt:
         # Gradients of an unfinished step are discarded: the saved point is the last whole step.
         loop.save_point(state)
-        log(f"\ninterrupted: progress saved to {loop.resume_path}; continue with --resume")
+        log(f"\ninterrupted at step {state.step}: progress saved to {loop.resume_path}")
         raise
     return state

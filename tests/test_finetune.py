@@ -244,3 +244,67 @@ def test_free_memory_without_proc_meminfo_falls_back(monkeypatch):
     monkeypatch.setattr(devices.os, "sysconf", sysconf)
     cpu = torch.device("cpu")
     assert devices.free_memory(cpu) == devices.memory_budget(cpu, fraction=1.0) > 0
+
+
+def test_ctrl_c_while_caching_keeps_the_flags_and_a_bare_resume_continues(small_csv, tmp_path, monkeypatch, capsys):
+    """Ctrl-C before the first step (here while the frozen layers are cached) says so and keeps the run's folder
+    with its flags; then `--resume` alone, as the message and the README say, trains the same weights as a run that
+    was never interrupted."""
+    argv = ["--model", "tiny", "--data", str(small_csv), "--split", "full", "--epochs", "2", "--train-last", "1",
+            "--lr", "1e-3", "--max-length", "48", "--batch-size", "8", "--cache-frozen", "on"]  # fmt: skip
+    assert finetune_classifier.main([*argv, "--output", str(tmp_path / "whole")]) == 0
+    monkeypatch.chdir(tmp_path)  # the default output goes to runs/ here
+    with monkeypatch.context() as m:
+        m.setattr(finetune_classifier, "cache_splits", lambda *a, **k: (_ for _ in ()).throw(KeyboardInterrupt))
+        capsys.readouterr()
+        assert finetune_classifier.main(argv) == 130
+    err = capsys.readouterr().err
+    run = (tmp_path / "runs" / "latest").resolve()
+    assert "while running the frozen layers once per text" in err and "nothing was trained yet" in err
+    assert f"--resume --output runs/{run.name}" in err
+    assert (run / "run_flags.json").is_file() and not (run / "resume.safetensors").exists()
+
+    assert finetune_classifier.main(["--resume"]) == 0  # runs/latest, with the flags it was started with
+    a, b = load_file(tmp_path / "whole" / "classifier.safetensors"), load_file(run / "classifier.safetensors")
+    assert a.keys() == b.keys() and max((a[k] - b[k]).abs().max().item() for k in a) == 0.0
+    assert not (run / "run_flags.json").exists(), "a finished run keeps only its results"
+
+
+def test_resume_refuses_other_flags_or_data_before_loading_anything(small_csv, tmp_path, monkeypatch, capsys):
+    """A run interrupted mid-training, resumed with a flag typed differently or with its data file changed, is
+    refused in one line before the weights load (it used to read, load and cache first, then refuse)."""
+    data = tmp_path / "data.csv"
+    data.write_bytes(small_csv.read_bytes())
+    out = tmp_path / "run"
+    argv = args_for(data, out, "--batch-size", "4", "--epochs", "3")
+    calls = []
+
+    def interrupt_on_the_third_step(totals, *rest):
+        calls.append(1)
+        if len(calls) == 3:
+            raise KeyboardInterrupt
+
+    with monkeypatch.context() as m:
+        m.setattr("llama_scratch.train.check_finite", interrupt_on_the_third_step)
+        assert finetune_classifier.main(argv) == 130
+    assert "continue with: python -m llama_scratch.finetune_classifier --resume --output" in capsys.readouterr().err
+    assert read_point(out / "resume.safetensors")["state"]["step"] == 2
+
+    monkeypatch.setattr(finetune_classifier, "build_classifier", lambda *a: pytest.fail("loaded before refusing"))
+    assert finetune_classifier.main(["--resume", "--output", str(out), "--lr", "5e-4"]) == 2
+    err = capsys.readouterr().err
+    assert "--lr was 0.001, now 0.0005" in err and len(err.strip().splitlines()) == 1
+    data.write_text(data.read_text().replace("ham", "spam", 3))
+    assert finetune_classifier.main(["--resume", "--output", str(out)]) == 2
+    assert "the data (texts or labels) was" in capsys.readouterr().err
+
+
+def test_the_kept_epoch_is_said_and_marked():
+    from llama_scratch.train import TrainState
+
+    rows = [{"epoch": e, "val_accuracy": acc, "val_loss": 0.1} for e, acc in ((1, 0.9), (2, 0.95), (3, 0.93))]
+    said = finetune_classifier.kept_epoch(TrainState(best_epoch=2, history=rows))
+    assert said.startswith("keeping epoch 2's weights, not epoch 3's (the best validation accuracy, 95.00%")
+    assert finetune_classifier.kept_epoch(TrainState(best_epoch=3, history=rows[:1] + rows[2:])).startswith(
+        "keeping the last epoch's weights (epoch 3"
+    )

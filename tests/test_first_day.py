@@ -119,15 +119,9 @@ def test_every_option_names_one_default_and_it_is_the_code_s():
 
     from llama_scratch.train import TrainSettings
 
-    parser_actions = []
-    real_parse = argparse.ArgumentParser.parse_args
-    argparse.ArgumentParser.parse_args = lambda self, argv=None: (
-        parser_actions.extend(self._actions) or real_parse(self, argv)
-    )
-    try:
-        finetune_classifier.parse_args([])
-    finally:
-        argparse.ArgumentParser.parse_args = real_parse
+    from llama_scratch.finetune_args import build_parser
+
+    parser_actions = build_parser()._actions
     settings = {f.name: f.default for f in dataclasses.fields(TrainSettings)}
     for action in parser_actions:
         if not action.option_strings or action.help == argparse.SUPPRESS or action.dest == "help":
