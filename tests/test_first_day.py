@@ -117,9 +117,8 @@ def test_every_option_names_one_default_and_it_is_the_code_s():
     import argparse
     import dataclasses
 
-    from llama_scratch.train import TrainSettings
-
     from llama_scratch.finetune_args import build_parser
+    from llama_scratch.train import TrainSettings
 
     parser_actions = build_parser()._actions
     settings = {f.name: f.default for f in dataclasses.fields(TrainSettings)}
