@@ -32,18 +32,21 @@ from .checkpoint_files import (
     write_safetensors,
 )
 from .config import LlamaConfig
-from .lora import merged_weight
+from .lora import TARGETS, merged_weight, parse_targets
 from .model import Llama
 
 HEAD = "score.weight"  # transformers' name for the classification head of LlamaForSequenceClassification
 INDEX = "model.safetensors.index.json"
 # An adapter of one projection, as a LoRA run saves it: backbone.blocks.{i}.{path}.lora_a / .lora_b
-_ADAPTER = re.compile(r"backbone\.(?P<module>blocks\.(?P<block>\d+)\.(?P<path>.+))\.lora_(?P<part>[ab])")
+_ADAPTER = re.compile(r"backbone\.(?P<module>blocks\.\d+\..+)\.lora_(?P<part>[ab])")
 
 
 @dataclass(frozen=True)
 class Lora:
-    """classifier.json's "lora" entry: the merge needs alpha / rank; blocks and targets say which adapters to expect."""
+    """classifier.json's "lora" entry: the merge needs alpha / rank; blocks and targets say which adapters to expect.
+
+    `targets` are lora.py's short names (q, k, v, o, gate, up, down), as a run records them; `lora.TARGETS` is the
+    one map from those to the module paths the adapters are saved under (attention.q_proj, ...)."""
 
     rank: int
     alpha: float
@@ -54,18 +57,18 @@ class Lora:
     def from_meta(cls, entry: object, source: str) -> Lora | None:
         if entry is None:
             return None
-        try:
+        try:  # parse_targets refuses a name lora.py does not know, so `modules` never meets one
             lora = cls(int(entry["rank"]), float(entry["alpha"]), tuple(map(int, entry["blocks"])),
-                       tuple(map(str, entry["targets"])))  # fmt: skip
+                       parse_targets(list(map(str, entry["targets"]))))  # fmt: skip
         except (KeyError, TypeError, ValueError) as e:
-            raise CheckpointError(f"{source}: 'lora' needs rank, alpha, blocks and targets ({e!r})") from None
+            raise CheckpointError(f"{source}: 'lora' needs rank, alpha, blocks and targets ({e})") from None
         if lora.rank < 1:
             raise CheckpointError(f"{source}: lora rank {lora.rank} is not a positive number")
         return lora
 
-    def covers(self, block: int, path: str) -> bool:
-        """An adapter on blocks.{block}.{path} (say attention.q_proj) is one these settings describe."""
-        return block in self.blocks and any(path == t or path.endswith("." + t) for t in self.targets)
+    def modules(self) -> list[str]:
+        """Every module these settings put an adapter on, as the run names it: blocks.{i}.attention.q_proj, ..."""
+        return [f"blocks.{b}.{TARGETS[t]}" for b in self.blocks for t in self.targets]
 
 
 @dataclass(frozen=True)
@@ -149,7 +152,7 @@ def adapter_problems(adapters: dict[str, dict[str, TensorInfo]], lora: Lora | No
         return [f"{weights} holds LoRA adapters but classifier.json has no 'lora' settings"] if adapters else []
     if not adapters:
         return [f"classifier.json describes LoRA adapters but {weights} holds none"]
-    problems = []
+    problems, described = [], lora.modules()
     for name, parts in adapters.items():
         a, b = parts.get("a"), parts.get("b")
         m = _ADAPTER.fullmatch((a or b).name)
@@ -160,8 +163,15 @@ def adapter_problems(adapters: dict[str, dict[str, TensorInfo]], lora: Lora | No
         elif a.shape != (lora.rank, expected[name][1]) or b.shape != (expected[name][0], lora.rank):
             want = f"[{lora.rank}, {expected[name][1]}] and [{expected[name][0]}, {lora.rank}]"
             problems.append(f"{m['module']}: lora_a {list(a.shape)} and lora_b {list(b.shape)}, expected {want}")
-        elif not lora.covers(int(m["block"]), m["path"]):
-            problems.append(f"{m['module']} is not among the lora blocks {list(lora.blocks)} / targets {lora.targets}")
+        elif m["module"] not in described:
+            settings = f"blocks {list(lora.blocks)}, targets {','.join(lora.targets)}"
+            problems.append(f"{m['module']} has an adapter that classifier.json's lora settings ({settings}) omit")
+    # The other way round: a described adapter missing from the file would export the base weight unchanged.
+    found = {_ADAPTER.fullmatch(e.name)["module"] for parts in adapters.values() for e in parts.values()}
+    missing = [module for module in described if module not in found]
+    problems += [
+        f"classifier.json's lora settings describe an adapter on {module}, but {weights} has none" for module in missing
+    ]
     return problems
 
 

@@ -2,6 +2,7 @@
 gives our classifier's logits, for a from-scratch run, a LoRA run (adapters merged) and a SmolLM2 run; the weights
 are streamed one tensor at a time; the output directory is refused unless it is new, empty or our own export."""
 
+import csv
 import json
 import shutil
 import weakref
@@ -14,7 +15,8 @@ from safetensors.torch import load_file, save_file
 
 from llama_scratch import Llama, LlamaConfig, classify, export_hf, export_weights, finetune_classifier
 from llama_scratch.batching import collate
-from llama_scratch.lora import merged_weight
+from llama_scratch.checkpoint_files import find_checkpoint_files, ours_to_hf
+from llama_scratch.lora import TARGETS, merged_weight
 from llama_scratch.weights import save_checkpoint
 
 from .test_finetune import args_for
@@ -145,18 +147,30 @@ def test_the_output_must_be_new_empty_or_our_export(tiny_run, tmp_path, capsys):
 # --- a LoRA run ----------------------------------------------------------------------------------------------------
 
 RANK, ALPHA = 4, 8.0
-ADAPTED = [(2, "attention.q_proj"), (2, "attention.v_proj"), (3, "attention.q_proj"), (3, "ffn.down_proj")]
+ADAPTED = [(block, path) for block in (2, 3) for path in ("attention.q_proj", "attention.v_proj", "ffn.down_proj")]
 
 
 @pytest.fixture(scope="module")
-def pretrained_run(small_csv, tmp_path_factory):
-    """A run of the last block over a two-shard base checkpoint (the LoRA tests add adapters to a copy)."""
-    root = tmp_path_factory.mktemp("lora")
+def pretrained_base(tmp_path_factory):
+    """A tiny 'pretrained' checkpoint in two shards (random weights, but not a preset: LoRA may adapt it)."""
+    base = tmp_path_factory.mktemp("lora") / "base"
     cfg = LlamaConfig.from_name("tiny")
-    save_checkpoint(Llama(cfg), cfg, root / "base", max_shard_bytes=20_000_000)
-    argv = ["--model", str(root / "base"), "--data", str(small_csv), "--output", str(root / "run"), "--max-steps", "1"]
-    assert finetune_classifier.main(argv + ["--train-last", "1", "--batch-size", "8", "--max-length", "32"]) == 0
-    return root / "run"
+    save_checkpoint(Llama(cfg), cfg, base, max_shard_bytes=20_000_000)
+    return base
+
+
+def finetune(base, data, run, *flags) -> None:
+    """finetune_classifier as a user types it over `base`, kept short: two steps, short texts."""
+    argv = ["--model", str(base), "--data", str(data), "--output", str(run), "--max-steps", "2", *flags]
+    assert finetune_classifier.main(argv + ["--batch-size", "8", "--max-length", "32"]) == 0
+
+
+@pytest.fixture(scope="module")
+def pretrained_run(pretrained_base, small_csv):
+    """A run of the last block over the two-shard base (the LoRA tests below add adapters to a copy)."""
+    run = pretrained_base.parent / "run"
+    finetune(pretrained_base, small_csv, run, "--train-last", "1")
+    return run
 
 
 def add_adapters(run, out) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
@@ -178,7 +192,7 @@ def add_adapters(run, out) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
         adapters[f"blocks.{block}.{path}"] = (a, b)
     save_file(tensors, out / "classifier.safetensors", metadata=metadata)
     meta = json.loads((out / "classifier.json").read_text())
-    meta["lora"] = {"rank": RANK, "alpha": ALPHA, "dropout": 0.05, "targets": ["q_proj", "v_proj", "down_proj"],
+    meta["lora"] = {"rank": RANK, "alpha": ALPHA, "dropout": 0.05, "targets": ["q", "v", "down"],
                     "blocks": [2, 3]}  # fmt: skip
     (out / "classifier.json").write_text(json.dumps(meta))
     return adapters
@@ -205,7 +219,7 @@ def test_a_lora_run_exports_with_its_adapters_merged(pretrained_run, tmp_path):
         module.register_forward_hook(lambda m, args, y, a=a, b=b: y + ALPHA / RANK * (args[0] @ a.T @ b.T))
     assert logit_gap(clf, model, ids, tokenizer.pad_id, "right") < 1e-4
     assert logit_gap(clf, model, ids, tokenizer.pad_id, "left") < 1e-4
-    assert "LoRA: rank 4, alpha 8.0, targets q_proj, v_proj, down_proj, blocks 2, 3" in (out / "README.md").read_text()
+    assert "LoRA: rank 4, alpha 8.0, targets q, v, down, blocks 2, 3" in (out / "README.md").read_text()
 
 
 def test_adapters_without_lora_settings_are_refused(pretrained_run, tmp_path, capsys):
@@ -215,10 +229,62 @@ def test_adapters_without_lora_settings_are_refused(pretrained_run, tmp_path, ca
     meta["lora"]["rank"] = 8
     (lora_run / "classifier.json").write_text(json.dumps(meta))
     assert "lora_a [4, 64] and lora_b [64, 4], expected [8, 64]" in export_fails(capsys, lora_run, tmp_path / "o")
+    meta["lora"].update(rank=RANK, targets=["q_proj", "v"])  # module names, not the short names a run records
+    (lora_run / "classifier.json").write_text(json.dumps(meta))
+    assert "LoRA targets are among q,k,v,o,gate,up,down; got q_proj,v" in export_fails(capsys, lora_run, tmp_path / "o")
+    meta["lora"]["targets"] = ["q", "v"]  # down_proj's adapters in the file, not in the settings
+    (lora_run / "classifier.json").write_text(json.dumps(meta))
+    err = export_fails(capsys, lora_run, tmp_path / "o")
+    assert (
+        "blocks.2.ffn.down_proj has an adapter that classifier.json's lora settings (blocks [2, 3], targets q,v)" in err
+    )
+    meta["lora"]["targets"] = ["q", "k", "v", "down"]  # k_proj in the settings, no adapter in the file
+    (lora_run / "classifier.json").write_text(json.dumps(meta))
+    assert "describe an adapter on blocks.2.attention.k_proj, but" in export_fails(capsys, lora_run, tmp_path / "o")
     del meta["lora"]
     (lora_run / "classifier.json").write_text(json.dumps(meta))
     assert "has no 'lora' settings" in export_fails(capsys, lora_run, tmp_path / "o")
     assert not (tmp_path / "o").exists()
+
+
+@pytest.mark.parametrize(
+    ("flags", "blocks", "targets"),
+    [
+        (["--lora", "8"], [2, 3], list(TARGETS)),
+        (["--lora", "8", "--train-last", "4"], [0, 1, 2, 3], list(TARGETS)),
+        (["--lora", "8", "--lora-targets", "q,v"], [2, 3], ["q", "v"]),
+    ],
+    ids=["last-2-blocks", "train-last-4", "targets-q-v"],
+)
+def test_a_lora_run_from_the_command_exports_as_classify_predicts(
+    pretrained_base, small_csv, tmp_path, flags, blocks, targets
+):
+    """finetune_classifier --lora, then export_hf, as a user types them: transformers answers as classify does."""
+    run, out, scored = tmp_path / "run", tmp_path / "export", tmp_path / "scored.csv"
+    finetune(pretrained_base, small_csv, run, *flags)
+    meta = json.loads((run / "classifier.json").read_text())
+    assert meta["lora"]["blocks"] == blocks and meta["lora"]["targets"] == targets
+    assert export_hf.main(["--checkpoint", str(run), "--output", str(out)]) == 0
+    _, _, model = assert_same_classifier(run, out)  # logits to 1e-4 padded on either side, probabilities to 1e-4
+    batch = transformers.AutoTokenizer.from_pretrained(out)(TEXTS, padding=True, return_tensors="pt")
+    with torch.no_grad():
+        theirs = model(**batch).logits.softmax(-1)
+    argv = ["--checkpoint", str(run), *TEXTS, "--output", str(scored), "--device", "cpu", "--dtype", "float32"]
+    assert classify.main(argv) == 0
+    with scored.open(newline="", encoding="utf-8") as f:
+        rows = list(csv.DictReader(f))
+    ours = torch.tensor([[float(r[f"p_{name}"]) for name in meta["label_names"]] for r in rows])
+    assert [r["text"] for r in rows] == TEXTS
+    assert (theirs - ours).abs().max() < 2e-6  # classify's CSV keeps 6 decimals
+    # The adapters trained and were merged in: each adapted projection moved off the base weight, and no other
+    # tensor of the backbone did (the final norm trains; the head is new).
+    base = {}
+    for file in find_checkpoint_files(pretrained_base):
+        base |= load_file(file)
+    adapted = {ours_to_hf(f"blocks.{b}.{TARGETS[t]}.weight") for b in blocks for t in targets}
+    for name, tensor in load_file(out / "model.safetensors").items():
+        if name not in ("score.weight", "model.norm.weight"):
+            assert torch.equal(tensor, base[name]) == (name not in adapted), name
 
 
 def test_the_export_streams_one_tensor_at_a_time(pretrained_run, tmp_path, monkeypatch):
