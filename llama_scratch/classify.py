@@ -310,6 +310,8 @@ def run(args: argparse.Namespace) -> None:
     device = resolve_device(args.device)
     names = run_description(args.checkpoint)["label_names"]
     inputs = read_inputs(args.texts, args.file, args.text_column, args.label_column, args.labels, names)
+    if inputs.read_as:  # e.g. a TSV's csv-quoted fields were unquoted, as training reads them
+        print(f"note: {args.file}: {inputs.read_as}", file=sys.stderr)
     if inputs.skipped:
         more = f" (and {len(inputs.skipped) - SHOWN_SKIPS:,} more)" if len(inputs.skipped) > SHOWN_SKIPS else ""
         shown = "; ".join(inputs.skipped[:SHOWN_SKIPS])

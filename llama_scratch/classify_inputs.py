@@ -1,5 +1,7 @@
 """What `classify` reads: texts from the command line, a file with one text per line, or a CSV/TSV/TXT/JSONL
 table whose text column (and, for `--labels`, label column) is found the way training finds it (`data.py`).
+Tables are read by training's own readers (`data_files.table_rows`: the same cells, quotes read the same way), columns
+and JSON keys are found by name with its `find_column`, and keys with other names by `data.json_keys`.
 
 Labels are checked against the run's label names here, before the model loads: an unknown one is an error that
 names the line. Empty texts are left out and counted, never classified.
@@ -14,8 +16,8 @@ from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from .data import LABEL_NAMES, MAX_LABEL_DIGITS, TEXT_NAMES, DataError
-from .data_files import UNDECODABLE, csv_rows, decode, jsonl_objects, tsv_rows, txt_rows
+from .data import LABEL_NAMES, MAX_LABEL_DIGITS, TEXT_NAMES, DataError, json_keys
+from .data_files import UNDECODABLE, decode, find_column, first_known, jsonl_objects, table_rows
 
 INTEGER = re.compile(r"[+-]?\d+")
 
@@ -23,11 +25,13 @@ INTEGER = re.compile(r"[+-]?\d+")
 @dataclass
 class Inputs:
     """What to classify, the file's label of each text when asked for (`None` otherwise), and the inputs left out
-    as "where: why" (an empty text is not classified, so the output can be shorter than the input)."""
+    as "where: why" (an empty text is not classified, so the output can be shorter than the input). `read_as` says
+    how the file's quotes were read, when that needs saying (as training's log does)."""
 
     texts: list[str] = field(default_factory=list)
     labels: list[str] | None = None
     skipped: list[str] = field(default_factory=list)
+    read_as: str = ""
 
 
 Row = tuple[str, str, str | None]  # (where, text, label or None when labels were not asked for)
@@ -44,10 +48,11 @@ def read_inputs(
     """The texts of the command line, then of `file`; with `labels`, each text's label as a name of the run."""
     rows: list[Row] = [(f"argument {i}", text, None) for i, text in enumerate(texts, start=1)]
     skipped: list[str] = []  # rows of the file that are not even a text
+    read_as = ""
     if file:
-        file_rows, skipped = read_file(file, text_column, label_column, labels, label_names)
+        file_rows, skipped, read_as = read_file(file, text_column, label_column, labels, label_names)
         rows += file_rows
-    inputs = Inputs(labels=[] if labels else None, skipped=skipped)
+    inputs = Inputs(labels=[] if labels else None, skipped=skipped, read_as=read_as)
     for where, text, label in rows:
         if UNDECODABLE.search(text):
             inputs.skipped.append(f"{where}: undecodable bytes (not UTF-8)")
@@ -78,13 +83,14 @@ def known_label(value: str, label_names: list[str]) -> str | None:
 
 def read_file(
     name: str, text_column: str | None, label_column: str | None, labels: bool, label_names: list[str]
-) -> tuple[list[Row], list[str]]:
-    """Rows and skipped rows of `--file`: .csv, .tsv and .jsonl are tables; .txt too when a column is asked for
-    (read like training data), else it holds one text per line, like standard input ('-') and any other file."""
+) -> tuple[list[Row], list[str], str]:
+    """Rows and skipped rows of `--file`, and how a table's quotes were read (or ""): .csv, .tsv and .jsonl are
+    tables; .txt too when a column is asked for (read like training data), else it holds one text per line, like
+    standard input ('-') and any other file."""
     if name == "-":
         if labels or text_column is not None:
             raise DataError("--labels and --text-column need a .csv, .tsv, .txt or .jsonl file, not standard input")
-        return line_rows(decode(sys.stdin.buffer.read(), Path("<stdin>")), "<stdin>"), []
+        return line_rows(decode(sys.stdin.buffer.read(), Path("<stdin>")), "<stdin>"), [], ""
     path = Path(name)
     try:
         raw = path.read_bytes()
@@ -96,17 +102,13 @@ def read_file(
     text = decode(raw, path)
     asked = labels or text_column is not None
     if suffix == ".jsonl":
-        return jsonl_rows(text, name, text_column, label_column, labels)
-    if suffix == ".csv":
-        table = list(csv_rows(text, path))
-    elif suffix == ".tsv":
-        table = list(tsv_rows(text))
-    elif suffix == ".txt" and asked:
-        table = txt_rows(text, path)
+        return (*jsonl_rows(text, name, text_column, label_column, labels), "")
+    if suffix in (".csv", ".tsv") or (suffix == ".txt" and asked):
+        table, read_as = table_rows(text, path)
     elif asked:
         raise DataError(f"{name}: --labels and --text-column need a .csv, .tsv, .txt or .jsonl file")
     else:
-        return line_rows(text, name), []
+        return line_rows(text, name), [], ""
     if not table:
         raise DataError(f"{name}: the file has no rows")
     body, width, ti, li = choose_columns(table, name, text_column, label_column, labels, label_names)
@@ -116,7 +118,7 @@ def read_file(
             skipped.append(f"{name} line {line}: expected {width} columns, found {len(cells)}")
         else:
             rows.append((f"{name} line {line}", cells[ti], cells[li] if li is not None else None))
-    return rows, skipped
+    return rows, skipped, read_as
 
 
 def line_rows(text: str, source: str) -> list[Row]:
@@ -137,8 +139,8 @@ def choose_columns(
     row names a known column (data.TEXT_NAMES, LABEL_NAMES) or a given one; without a header, columns are 0-based
     numbers, a single column is the text, and of two, the one holding only the run's label names is the label."""
     header = table[0][1]
-    ti = column_index(header, text_column) if text_column is not None else first_known(header, TEXT_NAMES)
-    li = column_index(header, label_column) if label_column is not None else first_known(header, LABEL_NAMES)
+    ti = find_column(header, text_column) if text_column is not None else first_known(header, TEXT_NAMES)
+    li = find_column(header, label_column) if label_column is not None else first_known(header, LABEL_NAMES)
     if ti is not None or li is not None:  # a header row
         body, width = table[1:], len(header)
         for given, index in ((text_column, ti), (label_column, li)):
@@ -160,18 +162,6 @@ def choose_columns(
     return body, width, ti, li if labels else None
 
 
-def column_index(cells: list[str], name: str) -> int | None:
-    """A header's column by name: as written, else ignoring case and spaces around (as data.py finds it)."""
-    if name in cells:
-        return cells.index(name)
-    lowered = [c.strip().lower() for c in cells]
-    return lowered.index(name.strip().lower()) if name.strip().lower() in lowered else None
-
-
-def first_known(cells: list[str], names: tuple[str, ...]) -> int | None:
-    return next((i for i in (column_index(cells, n) for n in names) if i is not None), None)
-
-
 def column_number(given: str, width: int, name: str, header: list[str]) -> int:
     if INTEGER.fullmatch(given.strip()) and 0 <= int(given) < width:
         return int(given)
@@ -182,29 +172,28 @@ def column_number(given: str, width: int, name: str, header: list[str]) -> int:
 def jsonl_rows(
     text: str, name: str, text_key: str | None, label_key: str | None, labels: bool
 ) -> tuple[list[Row], list[str]]:
-    """One JSON object per line; the keys given, else the first known names in the first object (any case)."""
+    """One JSON object per line; the keys as training finds them (`data.json_keys`), the label's only with labels.
+    A key given but not in the first object is an error here (training would skip every row as missing it)."""
+    objects = list(jsonl_objects(text, Path(name)))
+    found = [(number, obj) for number, obj, _ in objects if obj is not None]
+    tk, lk = "", None  # no object at all: every line is skipped below, with its reason
+    if found:
+        tk, lk = json_keys(objects, Path(name), text_key, label_key, label=labels)
+        number, first = found[0]
+        for key in (tk, lk) if labels else (tk,):
+            if key not in first:
+                ask = "--text-column and --label-column" if labels else "--text-column"
+                raise DataError(f"{name} line {number}: no key {key!r} among {list(first)}; pass {ask}")
     rows: list[Row] = []
     skipped: list[str] = []
-    keys: tuple[str, str | None] | None = None
-    for number, obj, problem in jsonl_objects(text, Path(name)):
+    for number, obj, problem in objects:
         where = f"{name} line {number}"
         if obj is None:
             skipped.append(f"{where}: {problem}")
-            continue
-        if keys is None:
-            lowered = {str(k).lower(): k for k in obj}
-            tk = text_key if text_key is not None else next((lowered[k] for k in TEXT_NAMES if k in lowered), None)
-            lk = label_key if label_key is not None else next((lowered[k] for k in LABEL_NAMES if k in lowered), None)
-            if tk not in obj or (labels and lk not in obj):
-                ask = "--text-column and --label-column" if labels else "--text-column"
-                raise DataError(f"{where}: cannot tell the text{' and label' if labels else ''} keys among "
-                                f"{list(obj)}; pass {ask}")  # fmt: skip
-            keys = (tk, lk)
-        value = obj.get(keys[0])
-        if not isinstance(value, str):
-            skipped.append(f"{where}: {keys[0]!r} is {'missing' if value is None else type(value).__name__}")
+        elif not isinstance(value := obj.get(tk), str):
+            skipped.append(f"{where}: {tk!r} is {'missing' if value is None else type(value).__name__}")
         else:
-            rows.append((where, value, json_label(obj.get(keys[1])) if labels else None))
+            rows.append((where, value, json_label(obj.get(lk)) if labels else None))
     return rows, skipped
 
 

@@ -13,7 +13,7 @@ import json
 import re
 import warnings
 from collections import Counter
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from importlib import resources
 from pathlib import Path
@@ -24,14 +24,14 @@ from .data_files import (
     Column,
     DataError,
     Table,
-    csv_rows,
     decode,
+    find_column,
+    first_known,
     guess_columns,
     jsonl_objects,
     looks_like_header,
     parquet_columns,
-    tsv_rows,
-    txt_rows,
+    table_rows,
 )
 from .hub_data import dataset_files, is_dataset_id
 
@@ -158,16 +158,19 @@ def load_dataset(
     """A bundled dataset by name (`sms_spam`), a `.csv`, `.tsv`, `.txt`, `.jsonl` or `.parquet` file, or the `split`
     of a Hugging Face dataset repository `owner/name` (fetched once into the Hugging Face cache; see `hub_data`).
 
-    CSV follows RFC 4180 quoting. TSV is split on TABs with no quoting (like the bundled file: a quote is just a
-    character). A `.txt` file is read as TSV when its first 100 rows have the same number of TABs, else as CSV when
-    they have the same number of comma-separated fields (UCI's sentiment sets are `sentence<TAB>label` .txt files).
+    CSV follows RFC 4180 quoting. TSV is split on TABs, and unquoted only when it is csv-quoted throughout (Python's
+    csv writer, pandas); one with stray quotes (like the bundled file) keeps every quote (`data_files.tsv_table`;
+    `describe()` says which). A `.txt` file is read as TSV when its first 100 rows have the same number of TABs,
+    else as CSV when they have the same number of comma-separated fields (UCI's sentiment sets are
+    `sentence<TAB>label` .txt files).
     Any of these may have a header row: one naming a column like `text`/`sentence`/`message` or `label`/`class`/
     `category`/`target` (or `text_column`/`label_column`), or one whose cells are unlike the rest of their columns
     (`rating` atop pos/neg/pos, `id` atop numbers, `feedback` atop long texts); `header` True or False says so
     instead. Columns not named are told apart by their values: the label has few distinct values, the text the
     longest ones, and an id column (every value distinct) is neither. `text_column`/`label_column` may also be
     0-based column numbers.
-    JSONL lines are objects with `text` and `label` keys (or the given ones). Labels are strings or integers;
+    JSONL lines are objects with `text` and `label` keys (or the given ones, or keys told apart by their values
+    like a table's columns: `json_keys`). Labels are strings or integers;
     class ids follow the sorted label names (numerically when all are integers). Files may start with a UTF-8 BOM
     and use CRLF line ends. A Parquet file's columns are found by name like JSONL keys (pyarrow reads only those
     two). Bad rows are skipped and reported with a `DataWarning`.
@@ -192,26 +195,11 @@ def load_dataset(
         return _build(items, skipped, path, columns)
     text = decode(path.read_bytes(), path)
     if suffix == ".jsonl":
-        return _build(*_read_jsonl(text, path, text_column, label_column), path)
-    if suffix == ".csv":
-        table = list(csv_rows(text, path))
-    elif suffix == ".tsv":
-        table = list(tsv_rows(text))
-    else:
-        table = txt_rows(text, path)
+        items, skipped, columns = _read_jsonl(text, path, text_column, label_column)
+        return _build(items, skipped, path, columns)
+    table, quotes = table_rows(text, path)
     items, skipped, columns = _read_table(table, path, text_column, label_column, header)
-    return _build(items, skipped, path, columns)
-
-
-def _find_column(cells: list[str], name: str) -> int | None:
-    lowered = [c.strip().lower() for c in cells]
-    if name in cells:
-        return cells.index(name)
-    return lowered.index(name.strip().lower()) if name.strip().lower() in lowered else None
-
-
-def _first_known(cells: list[str], names: Sequence[str]) -> int | None:
-    return next((i for i in (_find_column(cells, n) for n in names) if i is not None), None)
+    return _build(items, skipped, path, f"{columns}; {quotes}" if quotes else columns)
 
 
 def _read_table(
@@ -225,9 +213,9 @@ def _read_table(
     if not table:
         raise DataError(f"{path}: the file has no rows")
     first = table[0][1]
-    named = any(_find_column(first, c) is not None for c in (text_column, label_column) if c is not None)
+    named = any(find_column(first, c) is not None for c in (text_column, label_column) if c is not None)
     if header is None:
-        known = _first_known(first, TEXT_NAMES) is not None or _first_known(first, LABEL_NAMES) is not None
+        known = first_known(first, TEXT_NAMES) is not None or first_known(first, LABEL_NAMES) is not None
         found = known or (not named and looks_like_header(table))
         where = Table(path, first, named or found, detected=found)
     else:
@@ -236,8 +224,8 @@ def _read_table(
     width = len(first) if where.header else Counter(len(cells) for _, cells in table).most_common(1)[0][0]
     ti, li = (_given_column(where, c, width) for c in (text_column, label_column))
     if where.header:
-        ti = _first_known(first, TEXT_NAMES) if text_column is None else ti
-        li = _first_known(first, LABEL_NAMES) if label_column is None else li
+        ti = first_known(first, TEXT_NAMES) if text_column is None else ti
+        li = first_known(first, LABEL_NAMES) if label_column is None else li
     if ti is None or li is None:
         rows = [cells for _, cells in body[:COLUMN_SAMPLE] if len(cells) == width]
         ti, li = guess_columns(where, [Column.of(rows, j) for j in range(width)], ti, li)
@@ -258,7 +246,7 @@ def _given_column(where: Table, name: str | None, width: int) -> int | None:
     """The column a --text-column or --label-column names: a header cell, else a 0-based column number."""
     if name is None:
         return None
-    if where.header and (index := _find_column(where.first, name)) is not None:
+    if where.header and (index := find_column(where.first, name)) is not None:
         return index
     if _INTEGER.fullmatch(name.strip()) and 0 <= int(name) < width:
         return int(name)
@@ -272,27 +260,61 @@ def _given_column(where: Table, name: str | None, width: int) -> int | None:
 
 def _read_jsonl(
     text: str, path: Path, text_column: str | None, label_column: str | None
-) -> tuple[list[tuple[int, str, str]], list[BadRow]]:
-    """One JSON object per line; keys from the options, or the first known names in the first object."""
+) -> tuple[list[tuple[int, str, str]], list[BadRow], str]:
+    """One JSON object per line; the text and label keys as `json_keys` finds them."""
+    objects = list(jsonl_objects(text, path))
     items: list[tuple[int, str, str]] = []
-    skipped: list[BadRow] = []
-    keys: tuple[str, str] | None = None
-    for number, obj, problem in jsonl_objects(text, path):
-        if obj is None:
-            skipped.append(BadRow(number, problem))
-            continue
-        if keys is None:
-            lowered = {str(k).lower(): k for k in obj}  # like CSV headers, known names match in any case
-            tk = text_column or next((lowered[k] for k in TEXT_NAMES if k in lowered), None)
-            lk = label_column or next((lowered[k] for k in LABEL_NAMES if k in lowered), None)
-            if tk is None or lk is None:
-                raise DataError(
-                    f"{path} line {number}: cannot tell the text and label keys among {list(obj)}; "
-                    "pass --text-column and --label-column"
-                )
-            keys = (tk, lk)
-        _check_value(number, obj.get(keys[0]), obj.get(keys[1]), keys[0], items, skipped)
-    return items, skipped
+    skipped = [BadRow(number, problem) for number, obj, problem in objects if obj is None]
+    if len(skipped) == len(objects):
+        return items, skipped, ""  # no object at all: _build says so, with the skipped lines
+    tk, lk = json_keys(objects, path, text_column, label_column)
+    for number, obj, _ in objects:
+        if obj is not None:
+            _check_value(number, obj.get(tk), obj.get(lk), tk, items, skipped)
+    skipped.sort(key=lambda bad: bad.line)
+    return items, skipped, f"text {tk!r}, label {lk!r} (JSON keys)"
+
+
+def json_keys(
+    objects: list[tuple[int, dict | None, str]],
+    path: Path,
+    text_key: str | None,
+    label_key: str | None,
+    label: bool = True,
+) -> tuple[str, str | None]:
+    """The text and label keys of JSON Lines objects (as `jsonl_objects` reads them): the given ones, else the first
+    known names (TEXT_NAMES, LABEL_NAMES) among the first object's keys, found like header cells.
+
+    Keys with other names (`docstring`, `package`) are told apart by their values in the first COLUMN_SAMPLE
+    objects, as a table's unnamed columns are (`guess_columns`): the label has few distinct values, the text the
+    longest strings. `label` False: only the text key is needed (classify without --labels); the label key may
+    then be None.
+    """
+    number, first = next((number, obj) for number, obj, _ in objects if obj is not None)
+    keys = [str(k) for k in first]
+    known = [None if i is None else keys[i] for i in (first_known(keys, TEXT_NAMES), first_known(keys, LABEL_NAMES))]
+    tk = text_key if text_key is not None else known[0]
+    lk = label_key if label_key is not None else known[1]
+    if tk is not None and (lk is not None or not label):
+        return tk, lk
+    where = Table(path, keys, header=True, detected=False, json_line=number)
+    sample = [[_json_cell(obj.get(k)) for k in keys] for _, obj, _ in objects[:COLUMN_SAMPLE] if obj is not None]
+    given = [None if k is None else find_column(keys, k) for k in (tk, lk)]
+    for k, index in zip((tk, lk), given, strict=True):
+        if k is not None and index is None:
+            raise DataError(f"{path} line {number}: no key {k!r} among {keys}; pass --text-column and --label-column")
+    ti, li = guess_columns(where, [Column.of(sample, j) for j in range(len(keys))], *given)
+    return keys[ti], keys[li]
+
+
+def _json_cell(value: object) -> str:
+    """A JSON value as a table cell for telling keys apart: a string, or a label as `_check_value` reads it; other
+    values (lists, objects, fractions, null) are no text and no label, so empty."""
+    if isinstance(value, bool):
+        return str(value).lower()
+    if isinstance(value, float) and value.is_integer():
+        return str(int(value))
+    return value if isinstance(value, str) else str(value) if isinstance(value, int) else ""
 
 
 def _read_parquet(

@@ -1,9 +1,11 @@
 """A data file's bytes as rows: the encoding checked, then CSV records, TSV or .txt lines, or JSONL objects;
 a Parquet file's text and label columns (`parquet_columns`, with pyarrow, an optional dependency).
 
-`data.load_dataset` decides which cells are the text and the label. This module knows the file formats, and how
-to tell columns apart by their cells (`Column`): whether the first row is a header (`looks_like_header`), and
-which unnamed column is the text and which the label (`guess_columns`).
+`data.load_dataset` decides which cells are the text and the label. This module knows the file formats
+(`table_rows` reads a .csv, .tsv or .txt table for training and `classify` alike), and how to find columns: by
+name (`find_column`, `first_known`, for header cells and JSON keys), or by their cells (`Column`): whether the
+first row is a header (`looks_like_header`), and which unnamed column is the text and which the label
+(`guess_columns`).
 `DataError` lives here so the readers can raise it; import it from `llama_scratch.data`.
 """
 
@@ -15,7 +17,7 @@ import io
 import json
 import re
 import sys
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import closing
 from dataclasses import dataclass
 from itertools import islice
@@ -32,6 +34,10 @@ GUESSED_CLASSES = 100  # a label column found by its values has at most this man
 MAX_ID_LENGTH = 40  # an id is a number or one token this long at most (a UUID has 36 characters)
 NUMBER = re.compile(r"[+-]?(\d+\.?\d*|\.\d+)([eE][+-]?\d+)?")
 NAME = re.compile(r"\w+([ _.-]\w+){0,2}")  # a column name: up to three words, like `stars`, `customer_feedback`
+# A TSV field as Python's csv writer (delimiter TAB) writes it: quoted, with inner quotes doubled, when it holds a
+# TAB, a quote, CR or LF; else bare, and then without a quote. Each ends at a TAB, a line end or the file's end.
+QUOTED_FIELD = re.compile(r'"([^"]*(?:""[^"]*)*)"(\t|\r?\n|\Z)')
+BARE_FIELD = re.compile(r'([^\t\r\n"]*)(\t|\r?\n|\Z)')
 
 
 class DataError(ValueError):
@@ -72,31 +78,87 @@ def csv_rows(text: str, path: Path) -> Iterator[tuple[int, list[str]]]:
         csv.field_size_limit(limit)
 
 
+def table_rows(text: str, path: Path) -> tuple[list[tuple[int, list[str]]], str]:
+    """A .csv, .tsv or .txt table's (line, cells) rows, and how its quotes were read when that needs saying (else
+    ""): training (`data.load_dataset`) and `classify --file` read a table through here, so they read the same."""
+    suffix = path.suffix.lower()
+    if suffix == ".csv":
+        return list(csv_rows(text, path)), ""
+    return tsv_table(text) if suffix == ".tsv" else txt_rows(text, path)
+
+
 def tsv_rows(text: str) -> Iterator[tuple[int, list[str]]]:
-    """(line, cells) per line split on TABs. Splits on "\\n" only: str.splitlines would also break on U+0085."""
+    """(line, cells) per line split on TABs, quotes kept as they are. Splits on "\\n" only: str.splitlines would
+    also break on U+0085."""
     for number, line in enumerate(text.split("\n"), start=1):
         line = line.removesuffix("\r")
         if line.strip():
             yield number, line.split("\t")
 
 
-def txt_rows(text: str, path: Path) -> list[tuple[int, list[str]]]:
-    """A .txt file's rows: TSV when its first lines all have the same number of TABs (one or more), else CSV when
-    they all have the same number of comma-separated fields (two or more). UCI's sentiment sets are `text<TAB>0`.
+def tsv_table(text: str) -> tuple[list[tuple[int, list[str]]], str]:
+    """A TSV file's rows, and how its quotes were read (or "" when it has none).
+
+    Python's csv writer (and pandas' to_csv) quote a field that holds a TAB, a quote or a line end, and double
+    its quotes: `"say ""hi"" now"`. Read by lines and TABs, that text trains as written, quotes and all, and a field
+    with a line end splits its row. But a TSV written by hand or by a plain join has stray quotes of its own (54
+    bundled SMS texts start with one, 10 without a closing one), and unquoting those would merge rows. So the
+    whole file is read one way: with csv quoting when every quote in it is where that writer puts one (a field
+    that starts and ends with a quote, inner quotes doubled, the closing one followed by a TAB or a line end);
+    else every quote is kept, and the note names the first line that is not csv quoting.
     """
-    sample = [len(cells) - 1 for _, cells in islice(tsv_rows(text), TXT_SAMPLE)]
+    if '"' not in text:
+        return list(tsv_rows(text)), ""
+    rows, quoted, line = _csv_quoted(text)
+    if rows is None:
+        return list(tsv_rows(text)), f"quotes kept as written (line {line:,} is not csv quoting)"
+    return rows, f"{quoted:,} quoted fields read as csv quoting"
+
+
+def _csv_quoted(text: str) -> tuple[list[tuple[int, list[str]]] | None, int, int]:
+    """(rows, quoted fields, 0) of a TSV read with csv quoting, or (None, 0, line) at the first line that is not.
+
+    A row starts on the line of its first field; a quoted field may span lines. Blank rows are left out."""
+    rows: list[tuple[int, list[str]]] = []
+    cells: list[str] = []
+    pos, line, start, quoted = 0, 1, 1, 0
+    while True:
+        is_quoted = text.startswith('"', pos)
+        match = (QUOTED_FIELD if is_quoted else BARE_FIELD).match(text, pos)
+        if match is None:
+            return None, 0, line
+        cells.append(match[1].replace('""', '"') if is_quoted else match[1])
+        quoted += is_quoted
+        line += match[0].count("\n")
+        pos = match.end()
+        if match[2] == "\t":
+            continue
+        if any(cell.strip() for cell in cells):
+            rows.append((start, cells))
+        if pos == len(text):
+            return rows, quoted, 0
+        cells, start = [], line
+
+
+def txt_rows(text: str, path: Path) -> tuple[list[tuple[int, list[str]]], str]:
+    """A .txt file's rows and how its quotes were read: TSV (as `tsv_table` reads it) when its first rows all have
+    the same number of TABs (one or more), else CSV when they all have the same number of comma-separated fields
+    (two or more). UCI's sentiment sets are `text<TAB>0`.
+    """
+    tsv, note = tsv_table(text)
+    sample = [len(cells) - 1 for _, cells in tsv[:TXT_SAMPLE]]
     tabs = set(sample)
     if not tabs:
-        return []  # no rows: the caller says so
+        return [], ""  # no rows: the caller says so
     if len(tabs) == 1 and 0 not in tabs:
-        return list(tsv_rows(text))
+        return tsv, note
     try:
         with closing(csv_rows(text, path)) as rows:  # closing: csv_rows restores the field size limit when closed
             fields = {len(cells) for _, cells in islice(rows, TXT_SAMPLE)}
     except DataError:
         fields = set()
     if len(fields) == 1 and 1 not in fields:
-        return list(csv_rows(text, path))
+        return list(csv_rows(text, path)), ""
     counts = f"{_spread(fields)} comma-separated fields" if fields else "unreadable as CSV"
     raise DataError(
         f"{path}: a .txt file is read as tab- or comma-separated columns; found neither in its first "
@@ -175,6 +237,19 @@ def jsonl_objects(text: str, path: Path) -> Iterator[tuple[int, dict | None, str
             yield number, None, f"not a JSON object but {type(obj).__name__}"
 
 
+def find_column(cells: list[str], name: str) -> int | None:
+    """A column by name among header cells (or JSON keys): as written, else ignoring case and spaces around."""
+    if name in cells:
+        return cells.index(name)
+    lowered = [c.strip().lower() for c in cells]
+    return lowered.index(name.strip().lower()) if name.strip().lower() in lowered else None
+
+
+def first_known(cells: list[str], names: Sequence[str]) -> int | None:
+    """The column of the first of `names` (in their order) that `cells` hold, found as `find_column` finds it."""
+    return next((i for i in (find_column(cells, n) for n in names) if i is not None), None)
+
+
 @dataclass
 class Column:
     """A column's non-empty cells, stripped and summarised: enough to tell a header cell, an id, a label or a text."""
@@ -233,6 +308,7 @@ class Table:
     first: list[str]
     header: bool
     detected: bool  # the header was recognised, not forced: --no-header may be the way out
+    json_line: int = 0  # JSON Lines: `first` is the keys of the first object, on this line
 
     def name(self, index: int) -> str:
         return repr(self.first[index]) if self.header else f"column {index}"
@@ -241,6 +317,8 @@ class Table:
         cells = [c if len(c) <= 30 else c[:27] + "..." for c in self.first]
         seen = f"header {cells}" if self.header else f"no header row; first row {cells}"
         ways = "header names or 0-based numbers" if self.header else "0-based column numbers, or header names"
+        if self.json_line:
+            seen, ways = f"keys {cells} on line {self.json_line:,}", "key names"
         no_header = ", or --no-header if the first row is data" if self.detected else ""
         return DataError(f"{self.path}: {why} ({seen}); pass --text-column and --label-column ({ways}){no_header}")
 

@@ -1,5 +1,7 @@
 """classify on a user's files: tables in, a CSV of every class's probability out, and with --labels the file's
-accuracy, per-class figures and confusion matrix. One tiny run is trained for the whole module."""
+accuracy, per-class figures and confusion matrix. One tiny run is trained for the whole module; files that
+training and classify must read alike (a csv-quoted TSV, JSON keys found by their values) train a run of their own.
+"""
 
 import csv
 import json
@@ -9,6 +11,7 @@ import pytest
 
 from llama_scratch import classify, finetune_classifier
 from llama_scratch.classify_inputs import choose_columns, known_label
+from llama_scratch.data import load_dataset
 
 from .test_finetune import args_for
 
@@ -142,3 +145,57 @@ def test_columns_and_labels_are_found_as_in_training():
     header = [(1, ["id", " Review ", "stars"]), (2, ["7", "fine", "1"])]
     assert choose_columns(header, "f", None, "stars", True, names) == (header[1:], 3, 1, 2)
     assert choose_columns(header, "f", None, None, False, names)[2:] == (1, None)
+
+
+def sms_rows(small_csv) -> list[tuple[str, str]]:
+    """(text, label) of the module's 96 SMS messages."""
+    with open(small_csv, newline="") as f:
+        return [(r["message"], r["category"]) for r in csv.DictReader(f)]
+
+
+def test_training_and_classify_read_a_csv_quoted_tsv_as_written(run, small_csv, tmp_path, capsys):
+    """csv.writer(delimiter="\\t") quotes texts with a TAB, a quote or a line end; both commands unquote them."""
+    rows = sms_rows(small_csv)
+    for i, extra in ((0, '\tand a "tab"'), (1, "\nsecond line"), (50, '\r\n"crlf"'), (51, "\t")):
+        rows[i] = (rows[i][0] + extra, rows[i][1])
+    path = tmp_path / "quoted.tsv"
+    with path.open("w", newline="") as f:
+        csv.writer(f, delimiter="\t").writerows([("message", "category"), *rows])
+    quoted = sum(any(c in text for c in '\t"\r\n') for text, _ in rows)
+    assert quoted > 4 and b'\tand a ""tab"""\tham\r\n' in path.read_bytes()  # the writer's quoting, read back
+    capsys.readouterr()
+    assert finetune_classifier.main(args_for(path, tmp_path / "tsv_run", "--max-steps", "1")) == 0
+    log = capsys.readouterr().out
+    read = f"text 'message', label 'category' (header row); {quoted} quoted fields read as csv quoting"
+    assert f"{path}: 96 rows; ham 48, spam 48; 0 bad rows skipped; {read}" in log
+    assert load_dataset(path).texts == [text for text, _ in rows]  # what that log line describes
+    scored_csv = tmp_path / "scored.csv"
+    _, err = classify_ok(capsys, run, "--file", path, "--labels", "--output", scored_csv)
+    assert f"note: {path}: {quoted} quoted fields read as csv quoting" in err
+    assert [(r["text"], r["label"]) for r in read_rows(scored_csv)] == rows
+
+
+def test_classify_keeps_stray_quotes_of_a_tsv_and_says_so(run, tmp_path, capsys):
+    path = tmp_path / "stray.tsv"
+    path.write_text('text\tlabel\n"Are you coming down later?"\tham\n"Hey babe, call me\tham\n')
+    _, err = classify_ok(capsys, run, "--file", path, "--labels", "--output", tmp_path / "scored.csv")
+    assert f"note: {path}: quotes kept as written (line 3 is not csv quoting)" in err
+    texts = ['"Are you coming down later?"', '"Hey babe, call me']
+    assert [r["text"] for r in read_rows(tmp_path / "scored.csv")] == texts
+
+
+def test_jsonl_keys_of_other_names_are_found_by_their_values_in_training_and_classify(run, small_csv, tmp_path, capsys):
+    """`docstring` holds the long strings and `package` few names: no column flags needed, and the log says which."""
+    rows = sms_rows(small_csv)
+    path = tmp_path / "code.jsonl"
+    lines = [json.dumps({"docstring": text, "package": {"ham": "numpy", "spam": "requests"}[y]}) for text, y in rows]
+    path.write_text("\n".join(lines) + "\n")
+    capsys.readouterr()
+    assert finetune_classifier.main(args_for(path, tmp_path / "jsonl_run", "--max-steps", "1")) == 0
+    log = capsys.readouterr().out
+    assert (
+        f"{path}: 96 rows; numpy 48, requests 48; 0 bad rows skipped; text 'docstring', label 'package' (JSON keys)"
+        in log
+    )
+    classify_ok(capsys, run, "--file", path, "--output", tmp_path / "scored.csv")  # no --text-column needed
+    assert [r["text"] for r in read_rows(tmp_path / "scored.csv")] == [text for text, _ in rows]

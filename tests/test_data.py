@@ -10,9 +10,9 @@ from llama_scratch.data import MAX_CLASSES, DataError, DataWarning, LabelledText
 from llama_scratch.splits import shared_texts, split_dataset
 
 
-def as_csv(rows):
+def as_csv(rows, **dialect):
     out = io.StringIO()
-    csv.writer(out, lineterminator="\n").writerows(rows)
+    csv.writer(out, **{"lineterminator": "\n", **dialect}).writerows(rows)
     return out.getvalue()
 
 
@@ -51,6 +51,8 @@ def test_sms_by_name_and_as_a_file_agree(sms):
     assert load_dataset("sms_spam").texts == sms.texts
     as_file = load_dataset(resources.files("llama_scratch").joinpath("data/sms_spam.tsv"))  # headerless TSV
     assert as_file.texts == sms.texts and as_file.labels == sms.labels
+    assert as_file.fingerprint() == sms.fingerprint()  # its stray quotes are not csv quoting: every one is kept
+    assert as_file.describe().endswith("; quotes kept as written (line 54 is not csv quoting)")
 
 
 # ---------------------------------------------------------------------------------------------- splits
@@ -123,6 +125,30 @@ def test_headerless_tsv_finds_the_label_column(tmp_path):
     assert flipped.texts[:2] == ['"quoted 0', '"quoted 1'] and flipped.label_names == ["a", "b"]
 
 
+def test_tsv_written_by_pythons_csv_writer_reads_unquoted(tmp_path):
+    """csv.writer(delimiter="\\t") quotes a field with a TAB, a quote or a line end; the text is what went in."""
+    rows = [("text", "label"), ('say "hi"', "a"), ("a\ttab", "b"), ("two\nlines", "a"), ('"all quoted"', "b")]
+    rows += [("plain", "a"), ("crlf\r\ninside", "b")]
+    body = as_csv(rows, delimiter="\t", lineterminator="\r\n")
+    assert '"say ""hi"""\ta\r\n' in body  # the writer's quoting, read back below
+    for name in ("d.tsv", "d.txt"):
+        data = load_dataset(write(tmp_path, name, body))
+        assert data.texts == [t for t, _ in rows[1:]] and data.label_names == ["a", "b"]
+        assert data.rows == [2, 3, 4, 6, 7, 8] and data.skipped == []  # a row's line is where it starts
+        assert data.describe().endswith("text 'text', label 'label' (header row); 5 quoted fields read as csv quoting")
+    every = load_dataset(write(tmp_path, "all.tsv", as_csv(rows, delimiter="\t", quoting=csv.QUOTE_ALL)))
+    assert every.texts == [t for t, _ in rows[1:]] and every.label_names == ["a", "b"]
+
+
+def test_tsv_with_stray_quotes_keeps_every_quote_and_says_where(tmp_path):
+    """One quote that no csv writer would write means the file is not csv-quoted: no field is unquoted."""
+    body = 'text\tlabel\n"quoted all"\ta\n"opened only\tb\nsaid "hi" twice\ta\n"x ""y"""\tb\n'
+    data = load_dataset(write(tmp_path, "d.tsv", body))
+    assert data.texts == ['"quoted all"', '"opened only', 'said "hi" twice', '"x ""y"""'] and data.rows == [2, 3, 4, 5]
+    assert data.describe().endswith("; quotes kept as written (line 3 is not csv quoting)")
+    assert "quotes" not in load_dataset(write(tmp_path, "n.tsv", "text\tlabel\nno quotes\ta\nat all\tb\n")).columns
+
+
 def test_ambiguous_headerless_file_asks_for_columns(tmp_path):
     path = write(tmp_path, "d.csv", "a,x\nb,y\na,y\nb,x\n")
     with pytest.raises(DataError, match="--text-column") as err:
@@ -152,6 +178,26 @@ def test_jsonl_keys_and_bad_lines(tmp_path):
     ).labels == [1, 0]
     custom = write(tmp_path, "e.jsonl", '{"q": "x", "y": 1}\n{"q": "z", "y": 0}\n')
     assert load_dataset(custom, text_column="q", label_column="y").labels == [1, 0]
+    assert data.columns == "text 'text', label 'label' (JSON keys)"
+
+
+def test_jsonl_keys_of_other_names_are_told_apart_by_their_values(tmp_path):
+    """`docstring` holds long strings, `package` a few names: the text and the label, as in a table's columns."""
+    array = [f"Return the {w} of the array elements over the given axis." for w in ("sum", "mean", "max", "min")]
+    http = [f"Send a {verb} request to the given URL and return the response." for verb in ("GET", "POST", "PUT")]
+    docs = [*array, *http, "Return the indices that would sort the array.", "Close the session's connections."]
+    packages = ["numpy"] * 4 + ["requests"] * 3 + ["numpy", "requests"]
+    objects = [{"id": i, "docstring": d, "package": p} for i, (d, p) in enumerate(zip(docs, packages, strict=True))]
+    path = write(tmp_path, "code.jsonl", "".join(json.dumps(o) + "\n" for o in objects))
+    data = load_dataset(path)
+    assert data.texts == docs and data.label_names == ["numpy", "requests"]
+    assert data.labels == [int(p == "requests") for p in packages]
+    assert data.describe().endswith("; text 'docstring', label 'package' (JSON keys)")
+    assert load_dataset(path, text_column="docstring").labels == data.labels  # the other key still found
+    pairs = write(tmp_path, "pairs.jsonl", "".join(json.dumps({"a": f"x{i}", "b": f"y{i}"}) + "\n" for i in range(6)))
+    keys = r"\(keys \['a', 'b'\] on line 1\); pass --text-column and --label-column \(key names\)"
+    with pytest.raises(DataError, match=r"pairs.jsonl: .*neither is clearly the label " + keys):
+        load_dataset(pairs)
 
 
 def test_integer_and_string_labels_sort_naturally(tmp_path):
