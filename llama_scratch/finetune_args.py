@@ -97,9 +97,12 @@ def build_parser() -> argparse.ArgumentParser:
                    "machines, as many on each (torchrun --nnodes); the fewest GPUs that fit are then counted in whole "
                    "nodes of that size (default: 1; beyond one node of 8, in nodes of 8)")  # fmt: skip
     g.add_argument("--plan", action="store_true", help="print the memory each GPU needs for these settings and "
-                   "whether it fits, then exit without loading data or weights")  # fmt: skip
+                   "whether it fits, then exit without loading data or weights: 2 if it does not fit. It plans for a "
+                   "GPU (bfloat16 under --dtype auto) even on a machine without one, and says what it assumed; "
+                   "with no GPU and no --gpu-memory it checks no fit and exits 0. A preset (llama3-8b) is planned "
+                   "as its pretrained checkpoint")  # fmt: skip
     g.add_argument("--gpu-memory", type=float, metavar="GiB", help="GPU memory to check --plan against (default: "
-                   "the detected GPU's)")  # fmt: skip
+                   "the detected GPU's; none without a GPU)")  # fmt: skip
     g = p.add_argument_group("output")
     g.add_argument("--output", type=Path, help="output directory (default: a new runs/MODEL-DATA-DATE-TIME, also "
                    "reachable as runs/latest; with --resume, runs/latest)")  # fmt: skip

@@ -1,6 +1,11 @@
 """The `--plan` report: a memory plan (plan.py) as a table, checked against the GPU at hand or a given size.
 
 `finetune_classifier --plan` comes here before anything is loaded: only the model's config is read.
+
+A plan is for the GPU a run will have, which is rarely the machine that plans it: without `--device cpu` it plans
+for a GPU, in bfloat16 under `--dtype auto`, whether or not this machine has one, and says what it assumed. It
+checks the fit against the detected GPU's memory or `--gpu-memory`; with neither, it says it checked nothing and
+exits 0 (2 is kept for "does not fit", where there is a memory to fit).
 """
 
 from __future__ import annotations
@@ -51,8 +56,9 @@ def format_plan(plan: MemoryPlan, gpu: tuple[str, int] | None = None) -> str:
     ckpt = ", gradient checkpointing" if r.gradient_checkpointing else ""
     adapters = c.total - c.backbone - c.head
     parts = f"{c.backbone:,} backbone + " + (f"{adapters:,} LoRA adapters + " if adapters else "") + f"{c.head:,} head"
+    per = "GPU" if r.device_type == "cuda" else "process (CPU)"
     lines = [
-        f"Memory plan per GPU: batch {r.batch_size} x {r.seq_len} tokens, train {trained}{ckpt}, {dtype}, "
+        f"Memory plan per {per}: batch {r.batch_size} x {r.seq_len} tokens, train {trained}{ckpt}, {dtype}, "
         f"world size {r.world_size}"
         + (f" on {r.nodes} nodes ({r.per_node} each)" if r.nodes > 1 else "")
         + (f", sharded (FSDP2) across {r.shard_group or r.world_size}" if r.shard else ""),  # fmt: skip
@@ -113,7 +119,11 @@ def gradients_note(r: Recipe, share: str) -> str:
 def verdict_lines(plan: MemoryPlan, gpu: tuple[str, int] | None) -> list[str]:
     """Whether the plan fits `gpu` (name, bytes); if not, what does not and what would (see advise)."""
     if gpu is None:
-        return ["  no GPU detected: pass --gpu-memory GiB to check a fit"]
+        if plan.recipe.device_type == "cpu":
+            return ["  planned for the CPU (--device cpu): not checked against its memory"]
+        dtype = str(plan.recipe.param_dtype).removeprefix("torch.")
+        check = "give --gpu-memory GiB to check a card"
+        return [f"  not checked: no GPU here and no --gpu-memory; planned for a {dtype} GPU ({check})"]
     name, total = gpu
     verdict = "FITS" if plan.fits(total) else "DOES NOT FIT"
     spare = (total - plan.required()) / GiB
@@ -158,13 +168,52 @@ def plans_from_scratch(model_ref: str) -> bool:
     return model_ref in SCRATCH_PRESETS and not Path(model_ref).exists()
 
 
-def planned_dtype(arg: str, on_gpu: bool) -> torch.dtype:
-    """`--dtype` as the run would choose it: `auto` is bfloat16 on a GPU that has it (or a GPU only planned for)."""
+def model_line(model_ref: str, train_last_arg: str | None, train_last: int | None) -> str:
+    """The report's first line: the model, and for a preset how the plan reads it. One story: a preset with a
+    published checkpoint (llama3-8b) is planned as that checkpoint (Meta's shapes, trained as pretrained weights
+    are), the run a plan is usually made for; `--model llama3-8b` without --plan would draw random weights instead,
+    so the line says what a run of this plan takes."""
+    if plans_from_scratch(model_ref):
+        return f"model {model_ref}, from random weights (it has no published checkpoint)"
+    if model_ref not in PRESETS or Path(model_ref).exists():
+        return f"model {model_ref}"
+    shown = "all" if train_last is None else train_last
+    default = f": --train-last {shown}, the default for pretrained weights" if train_last_arg is None else ""
+    return (
+        f"model {model_ref}, planned as its pretrained checkpoint (the same shapes){default}; a run of this plan "
+        "takes that checkpoint's directory as --model"
+    )
+
+
+def planned_device(args) -> tuple[bool, tuple[str, int] | None, str]:
+    """What the plan is for: (a GPU?, the (name, bytes) to check it against, both in words). A GPU unless
+    `--device cpu`: a plan is for the machine a run will have, which is rarely the one that plans it. The memory
+    is `--gpu-memory`'s, else the detected GPU's, else none (nothing to check against)."""
+    detected = detect_gpu()
+    if args.device.startswith("cpu"):
+        if args.gpu_memory is not None:
+            raise ValueError("--gpu-memory checks a plan for a GPU, and --device cpu plans for this machine's CPU")
+        return False, None, "this machine's CPU (--device cpu)"
+    if args.gpu_memory is not None:
+        gpu = (detected[0] if detected else "the given GPU", int(args.gpu_memory * GiB))
+        name = detected[0] if detected else "a GPU"
+        return True, gpu, f"{name} with {in_gib(gpu[1])} (--gpu-memory)"
+    if detected:
+        return True, detected, f"{detected[0]} ({in_gib(detected[1])}, detected)"
+    return True, None, "a GPU (none here: give --gpu-memory GiB to check a card)"
+
+
+def planned_dtype(arg: str, on_gpu: bool) -> tuple[torch.dtype, str]:
+    """`--dtype` as a run on the planned device would choose it, and why in words: `auto` is bfloat16 on a GPU
+    that computes it natively (devices.choose_dtype), or on a GPU only planned for; float32 on a CPU, or on a
+    detected GPU without native bfloat16."""
     if arg != "auto":
-        return parse_dtype(arg)
-    if on_gpu and (not torch.cuda.is_available() or torch.cuda.is_bf16_supported()):
-        return torch.bfloat16
-    return torch.float32
+        return parse_dtype(arg), f"--dtype {arg}"
+    if not on_gpu:
+        return torch.float32, "--dtype auto on a CPU"
+    if detect_gpu() is None or torch.cuda.is_bf16_supported(including_emulation=False):
+        return torch.bfloat16, "--dtype auto on a GPU; --dtype float32 to plan that"
+    return torch.float32, "--dtype auto: this GPU does not compute bfloat16 natively"
 
 
 def plan_command(args, train_last: int | None, lora: LoRASettings | None = None) -> dict:
@@ -172,25 +221,16 @@ def plan_command(args, train_last: int | None, lora: LoRASettings | None = None)
 
     Reads only the model's config.json (or preset). `train_last` is what the command resolved `--train-last` to
     (None: everything; for a preset, what its checkpoint would train: see plans_from_scratch), `lora` its --lora
-    flags (adapters in those blocks instead of their weights). The device and dtype
-    follow the command's `auto` choices, except that `--gpu-memory` means "plan for a GPU" on a machine without one
-    (bfloat16, fused AdamW). Raises PlanDoesNotFit, after printing, when the plan does not fit the GPU.
+    flags (adapters in those blocks instead of their weights). The device and dtype are a GPU's (planned_device,
+    planned_dtype) and printed as the plan's assumption. Raises PlanDoesNotFit, after printing, when the plan does
+    not fit the memory it is checked against; with none known it returns, having said so.
     """
-    gpu = detect_gpu()
-    if args.gpu_memory is not None:
-        gpu = (gpu[0] if gpu else "the given GPU", int(args.gpu_memory * GiB))
-    on_gpu = args.device.startswith("cuda") or (args.device == "auto" and gpu is not None)
-    dtype = planned_dtype(args.dtype, on_gpu)
+    on_gpu, gpu, device_words = planned_device(args)
+    dtype, dtype_words = planned_dtype(args.dtype, on_gpu)
     model_ref = args.model
-    preset = model_ref in PRESETS and not Path(model_ref).exists() and not plans_from_scratch(model_ref)
     notes = []
     if args.max_length is None:
         notes.append("no --max-length given: planned for 512 tokens a text (a batch holds at most batch size x that)")
-    if preset:
-        notes.append(
-            f"--model {model_ref} alone trains the preset's random weights (all blocks by default); to train the real "
-            "checkpoint, download it and pass its directory as --model"
-        )
     recipe = Recipe(
         cfg=config_of(model_ref),
         batch_size=args.batch_size,
@@ -216,14 +256,11 @@ def plan_command(args, train_last: int | None, lora: LoRASettings | None = None)
             "the frozen forward then runs once, up front"
         )
     if int(os.environ.get("RANK", 0)) == 0:
-        print(f"model {model_ref}")
-        if preset and args.train_last is None:
-            shown = "all" if train_last is None else train_last
-            print(f"planning {model_ref} as a pretrained checkpoint: --train-last {shown} (the default for pretrained "
-                  "weights)")  # fmt: skip
-        print(format_plan(plan, gpu if on_gpu else None))
+        print(model_line(model_ref, args.train_last, train_last))
+        print(f"planned for {device_words}, in {str(dtype).removeprefix('torch.')} ({dtype_words})")
+        print(format_plan(plan, gpu))
         for note in notes:
             print(f"  note: {note}")
-    if on_gpu and gpu is not None and not plan.fits(gpu[1]):
+    if gpu is not None and not plan.fits(gpu[1]):
         raise PlanDoesNotFit(f"the plan needs {in_gib(plan.required())}, more than {gpu[0]}'s {in_gib(gpu[1])}")
     return plan.as_dict()

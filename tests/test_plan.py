@@ -194,18 +194,20 @@ def test_plan_defaults_are_the_runs_defaults(tmp_path, capsys):
     assert "train last 2 block(s)" in out and "planning" not in out
     assert command.main(["--model", "llama3-8b", "--plan", "--gpu-memory", "80"]) == 0
     out = capsys.readouterr().out
-    assert "planning llama3-8b as a pretrained checkpoint: --train-last 2 (the default for pretrained weights)" in out
+    assert "llama3-8b, planned as its pretrained checkpoint (the same shapes): --train-last 2, the default" in out
     assert "train last 2 block(s)" in out and "FITS on" in out
     # All of 8B with float32 masters (the default) is 126.8 GiB before margins; the lossy bf16 state fits 80 GB.
     assert command.main(["--model", "llama3-8b", "--train-last", "all", "--plan", "--gpu-memory", "80"]) == 2
     out = capsys.readouterr().out
-    assert "train all blocks and the embedding" in out and "planning" not in out
+    assert "train all blocks and the embedding" in out and "the default for pretrained" not in out
+    assert "planned as its pretrained checkpoint (the same shapes); a run of this plan takes" in out
     assert "float32 master + moments" in out and "--optimizer-state param" in out
     argv = ["--model", "llama3-8b", "--train-last", "all", "--optimizer-state", "param", "--plan", "--gpu-memory", "80"]
     assert command.main(argv) == 0
     capsys.readouterr()
     assert command.main(["--model", "tiny", "--plan", "--gpu-memory", "80"]) == 0
-    assert "train all blocks and the embedding" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "train all blocks and the embedding" in out and "model tiny, from random weights" in out
 
 
 def plan_output(argv: list[str], capsys) -> tuple[int, str]:
@@ -219,6 +221,109 @@ def suggested(out: str) -> list[list[str]]:
     return [m.group(1).split() for m in re.finditer(r"^    (--\S.*?)\s+needs ", out, re.MULTILINE)]
 
 
+def needed_gib(out: str) -> float:
+    """The plan's "needed" figure, in GiB, as printed."""
+    return float(re.search(r"^  needed +([\d.]+) GiB", out, re.MULTILINE).group(1))
+
+
+def test_plan_without_a_gpu_plans_a_bfloat16_gpu_and_says_so(monkeypatch, capsys):
+    """Issue #26: on a machine without a GPU, `--plan` planned float32 (a CPU's dtype: 38.4 GiB for 8B) and said
+    both that a preset is planned as its checkpoint and that it trains random weights. A plan is for a GPU: bfloat16
+    unless --dtype float32 is given, the assumption printed, the README's one-GPU figure, exit 0 with nothing to
+    check against and 2 when --gpu-memory is too small; a preset is planned as its pretrained checkpoint, only."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    readme = {row[0]: row[1:] for row in readme_plan_table()}
+    one_gpu = readme_gib(readme["Llama-3-8B, last 2 blocks"][0])
+
+    code, out = plan_output([], capsys)
+    assert code == 0 and "error" not in out
+    assert "planned for a GPU (none here: give --gpu-memory GiB to check a card), in bfloat16 (--dtype auto" in out
+    assert "Memory plan per GPU: batch 8 x 512 tokens, train last 2 block(s), bfloat16, world size 1" in out
+    assert "not checked: no GPU here and no --gpu-memory; planned for a bfloat16 GPU" in out
+    assert round(needed_gib(out), 1) == one_gpu == 23.0
+    lines = out.splitlines()
+    assert lines[0].startswith("model llama3-8b, planned as its pretrained checkpoint (the same shapes)")
+    assert "--train-last 2, the default for pretrained weights" in lines[0]
+    assert sum("llama3-8b" in line for line in lines) == 1 and "random weights" not in out
+
+    code, out = plan_output(["--gpu-memory", "12"], capsys)
+    assert code == 2 and "planned for a GPU with 12 GiB (--gpu-memory), in bfloat16" in out
+    assert "DOES NOT FIT on the given GPU (12.0 GiB)" in out and "error: the plan needs 23 GiB" in out
+    assert round(needed_gib(out), 1) == one_gpu and "not checked" not in out
+
+    code, out = plan_output(["--dtype", "float32"], capsys)
+    assert code == 0 and "planned for a GPU (none here" in out and "in float32 (--dtype float32)" in out
+    assert "not checked: no GPU here and no --gpu-memory; planned for a float32 GPU" in out
+    assert round(needed_gib(out), 1) == 38.4  # float32 weights alone are 29.9 GiB
+
+    code, out = plan_output(["--device", "cpu"], capsys)  # asked for: the CPU's dtype, the CPU's wording
+    assert code == 0 and "planned for this machine's CPU (--device cpu), in float32 (--dtype auto on a CPU)" in out
+    assert "Memory plan per process (CPU)" in out and "not checked against its memory" in out
+    code, out = plan_output(["--device", "cpu", "--gpu-memory", "12"], capsys)
+    assert code == 2 and "error: --gpu-memory checks a plan for a GPU, and --device cpu plans" in out
+
+
+def test_plan_on_a_detected_gpu_follows_its_bfloat16_support(monkeypatch, capsys):
+    """With a GPU, the plan is checked against its memory, and `--dtype auto` is what a run there would choose:
+    bfloat16 where the GPU computes it natively (devices.choose_dtype), float32 on one that does not."""
+    from llama_scratch import plan_report
+
+    monkeypatch.setattr(plan_report, "detect_gpu", lambda: ("NVIDIA H100 80GB HBM3", 80 * GiB))
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda including_emulation=True: True)
+    code, out = plan_output([], capsys)
+    assert code == 0 and "planned for NVIDIA H100 80GB HBM3 (80 GiB, detected), in bfloat16" in out
+    assert "FITS on NVIDIA H100 80GB HBM3 (80.0 GiB)" in out
+    monkeypatch.setattr(plan_report, "detect_gpu", lambda: ("Tesla V100-SXM2-16GB", 16 * GiB))
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda including_emulation=True: including_emulation)
+    code, out = plan_output([], capsys)
+    assert code == 2 and "in float32 (--dtype auto: this GPU does not compute bfloat16 natively)" in out
+    assert "DOES NOT FIT on Tesla V100-SXM2-16GB (16.0 GiB)" in out
+
+
+def readme_plan_table() -> list[list[str]]:
+    """The rows of the README's `--plan` table: model and what trains, then one cell per column."""
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    rows = re.findall(r"^  \| (Llama-3-\S+ .*) \|$", readme, re.MULTILINE)
+    return [row.split(" | ") for row in rows]
+
+
+def readme_gib(cell: str) -> float:
+    return float(cell.split(" GiB")[0].replace(",", ""))
+
+
+def test_readme_plan_table_is_what_the_command_prints(monkeypatch, capsys):
+    """Every figure of the README's table through the command as typed, on a machine without a GPU (nothing to
+    check against: exit 0). The fewest GPUs that fit 80 GiB: here for 8B; 70B's, whose searches are slow, in
+    test_plan_that_does_not_fit_exits_2_and_names_the_weights_first and test_smallest_world_size_that_fits."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    table = readme_plan_table()
+    assert len(table) == 4
+    for name, one, ddp, sharded, fewest in table:
+        model = "llama3-8b" if name.startswith("Llama-3-8B") else "llama3-70b"
+        flags = ["--train-last", "all", "--gradient-checkpointing"] if "everything" in name else []
+        argv = ["--model", model, *flags, "--plan"]
+        for cell, more in [(one, []), (ddp, ["--world-size", "8"]), (sharded, ["--shard", "--world-size", "8"])]:
+            assert command.main([*argv, *more]) == 0
+            out = capsys.readouterr().out
+            assert "in bfloat16 (--dtype auto on a GPU" in out and "float32 master + moments" in out
+            digits = len(cell.split(" GiB")[0].partition(".")[2])
+            assert f"{needed_gib(out):,.{digits}f} GiB" == cell, (name, more)
+        if fewest.startswith("1 "):
+            assert readme_gib(one) <= 80
+            continue
+        if model == "llama3-8b":  # 70B's search takes the command half a minute here: the tests named above
+            assert command.main([*argv, "--shard", "--world-size", "8", "--gpu-memory", "80"]) == 0
+            n, each = readme_fewest(fewest)
+            line = f"smallest world size that fits, sharded: {n} processes (GPUs), {each} GiB each"
+            assert line in capsys.readouterr().out
+
+
+def readme_fewest(cell: str) -> tuple[int, str]:
+    """A cell of the README table's last column, "24 (59.5 GiB each)": the GPUs, and the GiB each as printed."""
+    n, each = re.match(r"(\d+) \(([\d.]+) GiB each\)", cell).groups()
+    return int(n), each
+
+
 def test_plan_that_does_not_fit_exits_2_and_names_the_weights_first(capsys):
     """70B in bfloat16 is 131 GiB of weights: no option of one process helps; sharding over the fewest GPUs that
     fit is offered, and that option, planned again, fits."""
@@ -229,7 +334,8 @@ def test_plan_that_does_not_fit_exits_2_and_names_the_weights_first(capsys):
     first = "the first part that does not fit: the bfloat16 weights alone (131.4 GiB) exceed the GPU's 80 GiB"
     assert first in out and "--shard" in out
     assert "--gradient-checkpointing" not in out and "--batch-size" not in out
-    n = int(re.search(r"--shard on (\d+) GPUs", out).group(1))
+    n, each = readme_fewest(dict((row[0], row[-1]) for row in readme_plan_table())["Llama-3-70B, last 2 blocks"])
+    assert re.search(rf"--shard on {n} GPUs \(torchrun, {n} processes\) +needs {each} GiB", out)
     r = Recipe(LlamaConfig.from_name("llama3-70b"), 8, 512, train_last=2, dtype=torch.bfloat16, shard=True)
     assert plan_memory(dataclasses.replace(r, world_size=n)).fits(80 * GiB)
     assert not plan_memory(dataclasses.replace(r, world_size=n // 2)).fits(80 * GiB)
@@ -413,7 +519,13 @@ def test_smallest_world_size_that_fits():
     r = Recipe(LlamaConfig.from_name("llama3-70b"), 8, 512, None, dtype=torch.bfloat16, gradient_checkpointing=True)
     n = smallest_world(r, 80 * GiB)
     assert n is not None and n % 8 == 0 and n > 8
-    assert plan_memory(dataclasses.replace(r, shard=True, world_size=n)).fits(80 * GiB)
+    fitting = plan_memory(dataclasses.replace(r, shard=True, world_size=n))
+    readme = dict((row[0], row[-1]) for row in readme_plan_table())  # the README's table says the same
+    assert readme_fewest(readme["Llama-3-70B, everything, `--gradient-checkpointing`"]) == (
+        n,
+        f"{fitting.required() / GiB:.1f}",
+    )
+    assert fitting.fits(80 * GiB)
     assert not plan_memory(dataclasses.replace(r, shard=True, world_size=n - 8)).fits(80 * GiB)
     by_four = smallest_world(dataclasses.replace(r, world_size=8, nodes=2), 80 * GiB)
     assert by_four % 4 == 0 and n - 8 < by_four <= n
