@@ -110,8 +110,25 @@ def test_a_txt_file_stays_one_text_per_line(run, tmp_path, capsys):
     notes = tmp_path / "notes.txt"
     notes.write_text("first, with a comma\tand a tab\n\nsecond\n")
     out, err = classify_ok(capsys, run, "--file", notes)
-    assert [line.split("\t", 2)[2] for line in out.splitlines()] == ["first, with a comma\tand a tab", "second"]
+    assert [line.split("\t", 2)[2] for line in out.splitlines()] == ["first, with a comma and a tab", "second"]
     assert "notes.txt line 2: empty text" in err
+
+
+def test_each_text_is_printed_as_its_start_on_one_line(run, tmp_path, capsys):
+    """A 23 KB text printed whole after its label buried every other line: the line shows its first characters,
+    newlines as spaces, and an ellipsis where it was cut (--output keeps the whole text)."""
+    letter = "Dear customer,\nyou have WON a prize.\n\n" + "Call 0800 now! " * 1600  # 24 KB over many lines
+    data = tmp_path / "mail.csv"
+    with data.open("w", newline="") as f:
+        csv.writer(f).writerows([["text"], [letter], ["see you at lunch"]])
+    out, _ = classify_ok(capsys, run, "--file", data)
+    first, second = out.splitlines()
+    label, _, text = first.split("\t")
+    assert label in ("ham", "spam") and len(text) == classify.ECHO_CHARS == 72 and text.endswith("…")
+    assert text.startswith("Dear customer, you have WON a prize. Call 0800 now! Call 0800 now!")
+    assert second.endswith("\tsee you at lunch")
+    classify_ok(capsys, run, "--file", data, "--output", tmp_path / "scored.csv")
+    assert read_rows(tmp_path / "scored.csv")[0]["text"] == letter
 
 
 def test_bad_inputs_are_one_line_before_the_model_loads(run, tmp_path, capsys, monkeypatch):
