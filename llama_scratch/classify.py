@@ -96,6 +96,15 @@ def run_description(run_dir: Path) -> dict:
     """A finished run's classifier.json, checked against its weights file; cheap, so bad input fails before the
     model loads (the label names are needed to read a labelled file)."""
     meta_path, weights_path = run_dir / "classifier.json", run_dir / "classifier.safetensors"
+    if not run_dir.is_dir():  # a misspelt `runs/lastest` is not there at all: say that, not which file is missing
+        raise FileNotFoundError(
+            f"--checkpoint {run_dir}: {'not a directory' if run_dir.exists() else 'no such directory'}"
+        )
+    if (run_dir / "config.json").is_file() and not meta_path.is_file():
+        raise FileNotFoundError(
+            f"--checkpoint {run_dir} is a model checkpoint, not a fine-tuning run's folder: --checkpoint takes "
+            "the --output of finetune_classifier (runs/latest: the newest run)"
+        )
     if (run_dir / RESUME_FILE).is_file() and not meta_path.is_file():
         raise FileNotFoundError(f"{run_dir} holds an unfinished run: finish it with finetune_classifier --resume")
     for path in (meta_path, weights_path):
