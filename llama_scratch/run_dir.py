@@ -25,6 +25,7 @@ from pathlib import Path
 
 from . import distributed
 from .atomic import write_atomic, write_text_atomic
+from .checkpoint_files import RUN_MARKER
 from .distributed import Dist
 from .sharding import is_resume_dir
 from .train import RESUME_DIR, RESUME_FILE
@@ -42,7 +43,7 @@ RESULT_FILES = (
     "metrics.json",
     "classifier.json",
 )
-MARKER = ".llama_scratch-run"  # written when a run starts: only a directory holding it is ours to clear
+MARKER = RUN_MARKER  # written when a run starts: only a directory holding it is ours to clear
 _OUR_TEMP = re.compile(rf"\.({'|'.join(map(re.escape, WORK_FILES + RESULT_FILES))})\.\d+\.tmp")  # write_atomic's
 
 

@@ -17,6 +17,7 @@ from pathlib import Path
 import torch
 from huggingface_hub import hf_hub_download
 
+from .checkpoint_files import RUN_MARKER, RUN_RECORD, is_run_folder
 from .config import PRESETS, LlamaConfig, parse_dtype
 from .devices import memory_budget
 from .download import DownloadError, default_dir, fetch, fetch_smollm2, looks_like_path
@@ -58,7 +59,18 @@ def local_checkpoint(ref: str, log=print) -> str:
         if looks_like_path(ref):
             raise FileNotFoundError(f"{ref}: no such file or directory")
         raise FileNotFoundError(f"{ref!r} is neither a checkpoint path nor a preset ({', '.join(PRESETS)})")
+    refuse_run_folder(path)
     return ref
+
+
+def refuse_run_folder(path: Path) -> None:
+    """A fine-tuning run's folder where a model checkpoint is wanted (`--model runs/latest`): say which command and
+    flag read it, rather than "no config.json" about a folder the user knows holds a model."""
+    if is_run_folder(path):
+        raise ValueError(
+            f"{path} is a fine-tuning run's folder (it holds {RUN_RECORD} or {RUN_MARKER}), not a model checkpoint: "
+            f"a run is read by `classify --checkpoint {path}` (or `export_hf --checkpoint {path}`)"
+        )
 
 
 def gguf_origin(path: Path) -> str:
@@ -180,6 +192,7 @@ def config_of(model_ref: str) -> LlamaConfig:
     if model_ref in PRESETS and not path.exists():
         return LlamaConfig.from_name(model_ref)
     if path.exists():
+        refuse_run_folder(path)
         return LlamaConfig.from_hf(path if path.is_dir() else path.parent)
     try:
         return LlamaConfig.from_hf(hf_hub_download(model_ref, "config.json"))

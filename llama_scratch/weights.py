@@ -114,12 +114,17 @@ def load_weights(
     return report
 
 
+# The load bar: bytes loaded of the total (what the bar fills by), tensors, seconds so far. No rate and no time left:
+# a memory-mapped file "loads" at tens of GB/s (its pages are read later, when first used), a figure nobody can use.
+LOAD_BAR = "{desc}: {percentage:3.0f}%|{bar:20}| {n_fmt}B of {total_fmt}B{postfix} [{elapsed_s:.1f} s]"
+
+
 def _stream(files: list[Path], entries: dict, params: dict, aliases: dict, device, mmap: bool, show: bool,
             report: LoadReport) -> None:  # fmt: skip
     """Every tensor into its parameter, file by file in the order the bytes lie on disk, with a progress bar."""
     total = sum(e.nbytes for e in entries.values())
     staging = Staging(max((e.nbytes for e in entries.values()), default=0), device)
-    bar = tqdm(total=total, unit="B", unit_scale=True, unit_divisor=1024, desc="loading weights", disable=not show)
+    bar = tqdm(total=total, unit_scale=True, desc="loading weights", bar_format=LOAD_BAR, disable=not show)
     with bar:
         for file in files:
             todo = sorted((e.offset, n) for n, e in entries.items() if e.file == file)
@@ -129,6 +134,7 @@ def _stream(files: list[Path], entries: dict, params: dict, aliases: dict, devic
                     _load_one(fh, entries[name], params[name], aliases, device, mapped if mmap else None, staging)
                     report.loaded += 1
                     report.bytes += entries[name].nbytes
+                    bar.set_postfix_str(f"{report.loaded} of {len(entries)} tensors", refresh=False)
                     bar.update(entries[name].nbytes)
     staging.finish()
 

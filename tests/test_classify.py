@@ -9,7 +9,7 @@ import re
 
 import pytest
 
-from llama_scratch import classify, finetune_classifier
+from llama_scratch import classify, export_hf, finetune_classifier, generate
 from llama_scratch.classify_inputs import choose_columns, known_label
 from llama_scratch.data import load_dataset
 
@@ -113,8 +113,51 @@ def test_a_txt_file_stays_one_text_per_line(run, tmp_path, capsys):
     notes = tmp_path / "notes.txt"
     notes.write_text("first, with a comma\tand a tab\n\nsecond\n")
     out, err = classify_ok(capsys, run, "--file", notes)
-    assert [line.split("\t", 2)[2] for line in out.splitlines()] == ["first, with a comma\tand a tab", "second"]
+    assert [line.split("\t", 2)[2] for line in out.splitlines()] == ["first, with a comma and a tab", "second"]
     assert "notes.txt line 2: empty text" in err
+
+
+def test_each_text_is_printed_as_its_start_on_one_line(run, tmp_path, capsys):
+    """A 23 KB text printed whole after its label buried every other line: the line shows its first characters,
+    newlines as spaces, and an ellipsis where it was cut (--output keeps the whole text)."""
+    letter = "Dear customer,\nyou have WON a prize.\n\n" + "Call 0800 now! " * 1600  # 24 KB over many lines
+    data = tmp_path / "mail.csv"
+    with data.open("w", newline="") as f:
+        csv.writer(f).writerows([["text"], [letter], ["see you at lunch"]])
+    out, _ = classify_ok(capsys, run, "--file", data)
+    first, second = out.splitlines()
+    label, _, text = first.split("\t")
+    assert label in ("ham", "spam") and len(text) == classify.ECHO_CHARS == 72 and text.endswith("…")
+    assert text.startswith("Dear customer, you have WON a prize. Call 0800 now! Call 0800 now!")
+    assert second.endswith("\tsee you at lunch")
+    classify_ok(capsys, run, "--file", data, "--output", tmp_path / "scored.csv")
+    assert read_rows(tmp_path / "scored.csv")[0]["text"] == letter
+
+
+def test_a_run_folder_and_a_model_folder_each_name_their_flag(run, small_csv, tmp_path, monkeypatch, capsys):
+    """`--model runs/latest` said "no config.json at runs/latest/config.json"; `--checkpoint runs/lastest` (misspelt)
+    said which file was missing from a folder that is not there."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "runs").mkdir()
+    (tmp_path / "runs" / "latest").symlink_to(run, target_is_directory=True)
+    (tmp_path / "weights" / "base").mkdir(parents=True)
+    (tmp_path / "weights" / "base" / "config.json").write_text("{}")
+    run_folder = "error: runs/latest is a fine-tuning run's folder (it holds classifier.json or .llama_scratch-run), "
+    run_folder += "not a model checkpoint: a run is read by `classify --checkpoint runs/latest`"
+    for main, argv, status in (
+        (generate.main, ["--model", "runs/latest", "hello"], 1),
+        (finetune_classifier.main, ["--model", "runs/latest", "--plan"], 2),
+        (finetune_classifier.main, ["--model", "runs/latest", "--data", str(small_csv), "--max-steps", "1"], 2),
+    ):
+        assert main(argv) == status
+        err = capsys.readouterr().err
+        assert run_folder in err and err.count("error: ") == 1 and err.endswith("`)\n"), err
+    assert sorted(p.name for p in (tmp_path / "runs").iterdir()) == ["latest"]  # no run was started
+    assert classify_fails(capsys, "runs/lastest", "hello") == "error: --checkpoint runs/lastest: no such directory\n"
+    assert export_hf.main(["--checkpoint", "runs/lastest", "--output", "exported"]) == 2
+    assert capsys.readouterr().err == "error: --checkpoint runs/lastest: no such directory\n"
+    err = classify_fails(capsys, "weights/base", "hello")
+    assert err.startswith("error: --checkpoint weights/base is a model checkpoint, not a fine-tuning run's folder")
 
 
 def test_bad_inputs_are_one_line_before_the_model_loads(run, tmp_path, capsys, monkeypatch):

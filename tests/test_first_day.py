@@ -298,3 +298,28 @@ def test_compile_flag_compiles_the_token_wise_modules():
     for block in clf.backbone.blocks:
         assert all(m._compiled_call_impl is not None for m in (block.ffn, block.attention_norm, block.ffn_norm))
         assert block.attention._compiled_call_impl is None
+
+
+@pytest.mark.parametrize(
+    "module", ["finetune_classifier", "classify", "export_hf", "generate", "download", "convert_gguf"]
+)
+def test_every_command_starts_without_a_warning(module):
+    """`python -m llama_scratch.download --help` began with a RuntimeWarning ("found in sys.modules after import of
+    package"): the package's __init__ imported sources, which imports download, before download ran as __main__."""
+    command = [sys.executable, "-W", "error", "-m", f"llama_scratch.{module}", "--help"]
+    r = subprocess.run(command, capture_output=True, text=True)
+    assert r.returncode == 0 and r.stderr == "" and r.stdout.startswith(f"usage: python -m llama_scratch.{module}")
+
+
+def test_the_public_names_still_import_from_the_package():
+    """The names ARCHITECTURE.md lists, imported lazily now: each one, and `import *`."""
+    import llama_scratch
+    from llama_scratch import load_model, sources
+
+    assert sorted(llama_scratch._HOMES) == sorted(llama_scratch.__all__)
+    names: dict = {}
+    exec("from llama_scratch import *", names)
+    assert set(llama_scratch.__all__) <= set(names) and load_model is sources.load_model
+    assert set(llama_scratch.__all__) <= set(dir(llama_scratch))
+    with pytest.raises(AttributeError, match="no attribute 'nothing'"):
+        llama_scratch.nothing  # noqa: B018

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 
@@ -9,6 +11,7 @@ from llama_scratch import Llama, LlamaConfig, Tokenizer
 from llama_scratch.generate import chat_prompt, generate, main, pick_token
 from llama_scratch.model import KVCache
 from llama_scratch.sources import load_model
+from llama_scratch.weights import save_checkpoint
 
 pytest_plugins = ["tests.smollm2"]  # the SmolLM2 fixtures: smollm2_gguf_file, smollm2_dir
 
@@ -89,3 +92,21 @@ def test_generate_command(smollm2_dir, capsys):
     assert main(["--model", str(smollm2_dir), "--chat", "--max-new-tokens", "16", question]) == 0
     assert "Paris" in capsys.readouterr().out
     assert main(["--model", str(smollm2_dir / "missing"), "hi"]) == 1
+
+
+def test_generate_without_model_takes_the_default_and_the_load_bar_shows_bytes_and_tensors(
+    tmp_path, monkeypatch, capsys
+):
+    """No --model: the model finetune_classifier would take (`sources.default_model`: here the one checkpoint in
+    weights/), named on stderr. The load bar shows MB and tensors loaded and seconds, not a memory-mapped "GB/s"."""
+    cfg = LlamaConfig.from_name("tiny")
+    save_checkpoint(Llama(cfg), cfg, tmp_path / "weights" / "mine")
+    monkeypatch.chdir(tmp_path)
+    assert main(["--max-new-tokens", "2", "hello"]) == 0
+    out, err = capsys.readouterr()
+    assert "model: weights/mine (8M parameters), the largest checkpoint in weights/ that fits" in err
+    bar = err.replace("\r", "\n").split("\n")
+    final = [line for line in bar if line.startswith("loading weights: 100%")][-1]
+    assert re.search(r"\| 33\.6MB of 33\.6MB, 38 of 38 tensors \[\d+\.\d s\]$", final), final
+    assert not [line for line in bar if "/s" in line or "it]" in line], err
+    assert "model:" not in out and "loading" not in out  # stdout is the generated text alone
