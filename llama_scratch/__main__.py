@@ -39,7 +39,8 @@ def main(argv: list[str] | None = None) -> int:
         return 0 if argv else 2
     name, rest = argv[0], argv[1:]
     if name not in COMMANDS:
-        print(f"error: no command {name!r}; the commands are {', '.join(COMMANDS)} (llama-scratch --help)", file=sys.stderr)
+        known = ", ".join(COMMANDS)
+        print(f"error: no command {name!r}; the commands are {known} (llama-scratch --help)", file=sys.stderr)
         return 2
     module, first, _ = COMMANDS[name]
     return importlib.import_module(f"llama_scratch.{module}").main([*first, *rest])
