@@ -247,10 +247,8 @@ def run(args: argparse.Namespace) -> dict:
     n_train = sum(p.numel() for p in clf.trainable_parameters().values())
     log(f"training {n_train:,} of {sum(p.numel() for p in clf.parameters()):,} parameters on {device} in "
         f"{choice.dtype}" + (f", sharded across {env.world_size} processes" if job.sharded else ""))  # fmt: skip
-    cache = "off" if job.sharded else args.cache_frozen  # each process holds only rows of the frozen blocks
-    if job.sharded and args.cache_frozen == "on":
-        log("--cache-frozen on: not under --shard (each process holds rows of the frozen blocks, not whole ones)")
-    if use_cache(cache, clf, {k: v.ids for k, v in splits.items()}, device, env, log):
+    # Sharded too: every process takes part in each frozen forward and keeps every text's states (prefix_cache).
+    if use_cache(args.cache_frozen, clf, {k: v.ids for k, v in splits.items()}, device, env, log):
         splits = cache_splits(clf, splits, settings.eval_rows, env)
     if args.compile:
         compile_token_wise(clf)
