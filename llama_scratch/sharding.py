@@ -336,17 +336,20 @@ def write_parts(directory: Path, env: Dist, write_part) -> None:
 
 
 PART = re.compile(r"rank-\d{5}-of-\d{5}\.safetensors")
+# A part, or one being written (atomic.write_atomic's temporary, which a process killed mid-save leaves behind).
+PART_OR_TEMP = re.compile(rf"{PART.pattern}|\.{PART.pattern}\.\d+\.tmp")
 POINT = re.compile(r"point-\d{8}")
 CURRENT = "current"
 
 
 def is_resume_dir(directory: Path) -> bool:
-    """A directory `write_parts` wrote: `current`, numbered points holding parts, and atomic writes' temporaries."""
+    """A directory `write_parts` wrote: `current`, numbered points holding parts, and atomic writes' temporaries
+    (of `current`, and of parts in a point whose save was cut short: the next save removes that point)."""
     for entry in directory.iterdir():
         if entry.is_symlink():
             return False
         if POINT.fullmatch(entry.name) and entry.is_dir():
-            if not all(PART.fullmatch(f.name) and f.is_file() for f in entry.iterdir()):
+            if not all(PART_OR_TEMP.fullmatch(f.name) and f.is_file() for f in entry.iterdir()):
                 return False
         elif not (entry.is_file() and re.fullmatch(rf"{CURRENT}|\.{CURRENT}\.\d+\.tmp", entry.name)):
             return False

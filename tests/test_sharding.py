@@ -150,6 +150,10 @@ def test_sharded_run_killed_mid_epoch_resumes_to_the_same_weights(checkpoint, sm
     parts = sorted(p.name for p in point.iterdir())
     assert parts == ["rank-00000-of-00002.safetensors", "rank-00001-of-00002.safetensors"]
     assert not (killed / "metrics.json").exists(), "the run should have been killed before it finished"
+    # A kill during a save leaves a newer point holding a part's temporary (whether this kill did depends on timing).
+    cut = killed / "resume.sharded" / f"point-{int(point.name.removeprefix('point-')) + 1:08d}"
+    cut.mkdir(exist_ok=True)
+    (cut / ".rank-00001-of-00002.safetensors.4242.tmp").write_bytes(b"")
 
     alone = run_module(*argv[:-1], "--resume")  # one process, no --shard: refused by name, nothing restarted
     assert alone.returncode == 2 and "--shard under torchrun with 2 processes" in alone.stderr, alone.stderr
