@@ -103,6 +103,25 @@ class LlamaClassifier(nn.Module):
         """Name -> parameter for everything that trains: what the optimizer steps and the checkpoint saves."""
         return {name: p for name, p in self.named_parameters() if p.requires_grad}
 
+    def frozen_prefix(
+        self,
+        input_ids: torch.Tensor,
+        attention_mask: torch.Tensor | None = None,
+        *,
+        packed: Packed | None = None,
+        padding_side: str | None = None,
+    ) -> torch.Tensor:
+        """The residual stream after the frozen blocks (embedding, then blocks 0..frozen_blocks-1), as `forward`
+        takes it back in `frozen_states`: [B, T, dim], or [1, N, dim] packed.
+
+        A method of the classifier, not of its backbone, so that a sharded classifier runs it as it runs `forward`
+        (sharding.shard_model registers it with FSDP2): through the root module, whose hooks gather its own
+        parameters (a tied embedding among them) and set FSDP up on first use, which a block run first would claim.
+        """
+        backbone = self.backbone
+        x = backbone.embed_tokens(input_ids)
+        return backbone.run_blocks(x, attention_mask, stop=self.frozen_blocks, packed=packed, padding_side=padding_side)
+
     def forward(
         self,
         input_ids: torch.Tensor | None,

@@ -48,7 +48,7 @@ def _evaluate(model: nn.Module, split: Split, s: EvalSettings, env: Dist, device
     confusion = torch.zeros(num_classes, num_classes, dtype=torch.float64, device=device)  # [true, predicted]
     # Sharded, every process runs every forward (its blocks are gathered from everyone): one with fewer batches
     # runs a one-row batch more whose result it drops.
-    extra = max(distributed.gather_objects(len(batches))) - len(batches) if sharding.is_sharded(model) else 0
+    extra = sharding.batches_to_match(model, len(batches))
     for k, rows in enumerate(tqdm(batches + [[0]] * extra, desc, leave=False, disable=not env.is_main)):
         batch = to_batch(split, rows, s.padding_side, device)
         logits = forward(model, batch).float()

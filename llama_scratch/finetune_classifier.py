@@ -291,11 +291,9 @@ def run(args: argparse.Namespace, progress: Progress | None = None) -> dict:
     n_train = sum(p.numel() for p in clf.trainable_parameters().values())
     log(f"training {n_train:,} of {sum(p.numel() for p in clf.parameters()):,} parameters on {device} in "
         f"{choice.dtype}" + (f", sharded across {env.world_size} processes" if job.sharded else ""))  # fmt: skip
-    cache = "off" if job.sharded else args.cache_frozen  # each process holds only rows of the frozen blocks
-    if job.sharded and args.cache_frozen == "on":
-        log("--cache-frozen on: not under --shard (each process holds rows of the frozen blocks, not whole ones)")
+    # Sharded too: every process takes part in each frozen forward and keeps every text's states (prefix_cache).
     progress.phase = "running the frozen layers once per text (the frozen-prefix cache)"
-    if use_cache(cache, clf, {k: v.ids for k, v in splits.items()}, device, env, log):
+    if use_cache(args.cache_frozen, clf, {k: v.ids for k, v in splits.items()}, device, env, log):
         splits = cache_splits(clf, splits, settings.eval_rows, env)
     if args.compile:
         compile_token_wise(clf)

@@ -13,7 +13,7 @@ from collections.abc import Iterable
 import torch
 from tqdm.auto import tqdm
 
-from . import distributed
+from . import distributed, sharding
 from .batching import Split, collate, length_sorted_batches
 from .classifier import LlamaClassifier
 from .devices import free_memory, memory_budget
@@ -51,28 +51,33 @@ def compute_frozen_states(
     Texts go through in batches sorted by length, right-padded (which keeps each row's real positions identical to
     running it alone: causal attention never looks ahead) or packed without padding (`packed`, packing.py). Sorted
     batches carry little padding, so packing gains less here (1.09x, benchmarks/RESULTS.md); `cache_splits` packs.
-    Under DDP each process computes every N-th text and the processes then exchange them: all end up with every text.
+    Several processes (DDP or --shard) each compute every N-th text and then exchange them: all end up with every
+    text, since the training loop deals the rows out afresh every epoch (train.epoch_batches) and evaluation deals
+    out each split by length. Sharded, each frozen block's forward gathers its parameters from every process, so
+    every process runs as many forwards as the busiest: one with fewer batches runs a one-text batch more, dropped.
     """
     env = env or Dist()  # one process
-    backbone, start = clf.backbone, clf.frozen_blocks
-    device, dtype = clf.head.weight.device, backbone.embed_tokens.weight.dtype
+    device, dtype = clf.head.weight.device, clf.backbone.embed_tokens.weight.dtype
     states: list[torch.Tensor] = [torch.empty(0)] * len(token_lists)
     batches = length_sorted_batches([len(x) for x in token_lists], batch_size, env.rank, env.world_size)
-    for rows in tqdm(batches, f"caching frozen layers {name}".strip(), leave=False, disable=not (show and env.is_main)):
+    extra = sharding.batches_to_match(clf, len(batches))
+    desc, quiet = f"caching frozen layers {name}".strip(), not (show and env.is_main)
+    for k, rows in enumerate(tqdm(batches + [[0]] * extra, desc, leave=False, disable=quiet)):
         if packed:  # no padding: each text's states are its own stretch of the stream
             ids, layout = pack_ids([token_lists[i] for i in rows], device)
-            x = backbone.run_blocks(backbone.embed_tokens(ids), stop=start, packed=layout)
-            for i, s in zip(rows, layout.split(x), strict=True):
+            out = layout.split(clf.frozen_prefix(ids, packed=layout))
+        else:
+            batch = collate([(token_lists[i], 0) for i in rows], pad_id)
+            ids, mask = batch["input_ids"].to(device), batch["attention_mask"].to(device)
+            x = clf.frozen_prefix(ids, mask, padding_side="right")
+            out = [x[row, : len(token_lists[i])] for row, i in enumerate(rows)]
+        for i, s in zip(rows, out, strict=True):
+            if k < len(batches):  # not the batch a sharded process runs only to take part
                 states[i] = s.clone()
-            continue
-        batch = collate([(token_lists[i], 0) for i in rows], pad_id)
-        ids, mask = batch["input_ids"].to(device), batch["attention_mask"].to(device)
-        x = backbone.run_blocks(backbone.embed_tokens(ids), mask, stop=start, padding_side="right")
-        for row, i in enumerate(rows):
-            states[i] = x[row, : len(token_lists[i])].clone()
+    sharding.reshard(clf)  # sharded, the root's parameters stay gathered after its forward (it expects a backward)
     if env.enabled:
         mine = [i for rows in batches for i in rows]
-        everyone = distributed.all_gather_rows(mine, [states[i] for i in mine], backbone.cfg.dim, dtype, device)
+        everyone = distributed.all_gather_rows(mine, [states[i] for i in mine], clf.backbone.cfg.dim, dtype, device)
         states = [everyone[i] for i in range(len(token_lists))]
     return states
 
@@ -82,8 +87,9 @@ def use_cache(
 ) -> bool:
     """Whether to cache the frozen layers' output: there must be frozen blocks, and (auto) room to keep it.
 
-    Under DDP every process must decide alike (computing the cache is collective), so the tightest one decides.
-    Processes on a CPU share the host's memory and each keeps a whole copy."""
+    With several processes (DDP or --shard) every process must decide alike (computing the cache is collective), so
+    the tightest one decides. Each process keeps every text's states (see `compute_frozen_states`), so the size
+    counted is the whole cache even when sharded; processes on a CPU share the host's memory and each keeps a copy."""
     frozen = clf.frozen_blocks
     if choice == "off" or frozen == 0:
         return False
@@ -98,7 +104,8 @@ def use_cache(
                 "or half of what is free (--cache-frozen on to insist)"
             )
             return False
-    log(f"caching the output of the {frozen} frozen blocks for every text ({size / 2**20:,.0f} MiB)")
+    each = " in each process" if env.enabled else ""
+    log(f"caching the output of the {frozen} frozen blocks for every text ({size / 2**20:,.0f} MiB{each})")
     return True
 
 

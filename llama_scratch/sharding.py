@@ -80,7 +80,7 @@ def shard_model(clf: LlamaClassifier, mesh: DeviceMesh, reduce_dtype: torch.dtyp
     gradients are reduced in `reduce_dtype` (float32: a sum of N bfloat16 gradients would lose the small ones),
     then kept in the parameter's dtype, where the optimizer's float32 masters (optim.py) pick them up.
     """
-    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard, register_fsdp_forward_method
 
     policy = MixedPrecisionPolicy(param_dtype=None, reduce_dtype=reduce_dtype)
     backbone = clf.backbone
@@ -92,6 +92,8 @@ def shard_model(clf: LlamaClassifier, mesh: DeviceMesh, reduce_dtype: torch.dtyp
     for module in groups:
         fully_shard(module, mesh=mesh, mp_policy=policy)
     fully_shard(clf, mesh=mesh, mp_policy=policy)  # the rest: final norm and head
+    # The frozen-prefix pass (prefix_cache) enters through this method instead of forward: the same hooks.
+    register_fsdp_forward_method(clf, "frozen_prefix")
 
 
 def sharded_classifier(ref: str, dtype: torch.dtype, num_classes: int, train_last: int | None,
@@ -117,6 +119,8 @@ def reshard(model: nn.Module) -> None:
     """Free every gathered parameter, leaving each process its rows. Needed after a forward without backward
     (evaluation): FSDP2 keeps the root's parameters gathered after its forward, for the backward it expects, and
     meanwhile `named_parameters` lists those whole tensors instead of the shards."""
+    if not is_sharded(model):  # nothing to free, and no need to import FSDP
+        return
     from torch.distributed.fsdp import FSDPModule
 
     for m in model.modules():
@@ -126,6 +130,15 @@ def reshard(model: nn.Module) -> None:
 
 def is_sharded(model: nn.Module) -> bool:
     return any(is_dtensor(p) for p in model.parameters())
+
+
+def batches_to_match(model: nn.Module, mine: int) -> int:
+    """How many batches this process must run beyond its own `mine` so that every process runs as many forwards:
+    sharded, each block's forward gathers the block from every process, so one that stopped early would leave the
+    others waiting (evaluation, the frozen-prefix pass). 0 unsharded: DDP's forwards involve no other process."""
+    if not is_sharded(model):
+        return 0
+    return max(distributed.gather_objects(mine)) - mine
 
 
 def local_rows(t: torch.Tensor) -> tuple[int, int]:
@@ -323,17 +336,20 @@ def write_parts(directory: Path, env: Dist, write_part) -> None:
 
 
 PART = re.compile(r"rank-\d{5}-of-\d{5}\.safetensors")
+# A part, or one being written (atomic.write_atomic's temporary, which a process killed mid-save leaves behind).
+PART_OR_TEMP = re.compile(rf"{PART.pattern}|\.{PART.pattern}\.\d+\.tmp")
 POINT = re.compile(r"point-\d{8}")
 CURRENT = "current"
 
 
 def is_resume_dir(directory: Path) -> bool:
-    """A directory `write_parts` wrote: `current`, numbered points holding parts, and atomic writes' temporaries."""
+    """A directory `write_parts` wrote: `current`, numbered points holding parts, and atomic writes' temporaries
+    (of `current`, and of parts in a point whose save was cut short: the next save removes that point)."""
     for entry in directory.iterdir():
         if entry.is_symlink():
             return False
         if POINT.fullmatch(entry.name) and entry.is_dir():
-            if not all(PART.fullmatch(f.name) and f.is_file() for f in entry.iterdir()):
+            if not all(PART_OR_TEMP.fullmatch(f.name) and f.is_file() for f in entry.iterdir()):
                 return False
         elif not (entry.is_file() and re.fullmatch(rf"{CURRENT}|\.{CURRENT}\.\d+\.tmp", entry.name)):
             return False
