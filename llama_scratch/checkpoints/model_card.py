@@ -1,0 +1,127 @@
+"""README.md of an export, the model card: what the model is, what it learned from, how well it did, how it was
+made and how to load it. Everything comes from the run's classifier.json and metrics.json; nothing is guessed."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+
+
+def model_card(meta: dict, metrics: dict, dtype: torch.dtype, command: str) -> str:
+    """The whole card: Hugging Face front matter, then the sections."""
+    parts = [
+        front_matter(meta),
+        f"# {title(meta, metrics)}\n\n{summary(meta, metrics)}",
+        usage(),
+        labels(meta),
+        results(metrics),
+        training(meta, metrics, dtype),
+        f"## How it was made\n\nTrained by `python -m llama_scratch.finetune_classifier` (run id "
+        f"`{meta.get('run_id', 'not recorded')}`), exported with:\n\n```bash\n{command}\n```",
+    ]
+    return "\n\n".join(p for p in parts if p) + "\n"
+
+
+def front_matter(meta: dict) -> str:
+    """The metadata block the Hub reads; JSON strings are valid YAML, so names need no escaping rules of their own."""
+    lines = ["---", "library_name: transformers", "pipeline_tag: text-classification", "tags:", "- llama_scratch"]
+    if repo := meta.get("base_model_repo"):
+        lines.append(f"base_model: {json.dumps(repo)}")
+    return "\n".join([*lines, "---"])
+
+
+def base_name(meta: dict) -> str:
+    if meta["weights_include_backbone"]:
+        return f"the `{meta['base_model']}` preset, trained from random weights (no pretrained base)"
+    return f"`{meta.get('base_model_repo') or meta['base_model']}`"
+
+
+def data_name(metrics: dict) -> str | None:
+    """The data file's name, not its path: a card is published, the folders it sat in are nobody's business."""
+    return Path(metrics["data"]).name if metrics.get("data") else None
+
+
+def title(meta: dict, metrics: dict) -> str:
+    data = data_name(metrics)
+    return f"Text classifier ({len(meta['label_names'])} classes{f', {data}' if data else ''})"
+
+
+def summary(meta: dict, metrics: dict) -> str:
+    lines = [f"A `LlamaForSequenceClassification` fine-tuned from {base_name(meta)} with llama_scratch."]
+    if data := data_name(metrics):
+        sizes = ", ".join(f"{k} {v:,}" for k, v in metrics.get("split_sizes", {}).items())
+        lines.append(f"Data: `{data}`, split `{metrics.get('split', '?')}` ({sizes} texts).")
+    if "test_accuracy" in metrics:
+        lines.append(f"Test accuracy: {metrics['test_accuracy']:.2%}.")
+    return " ".join(lines)
+
+
+def usage() -> str:
+    return """## Use
+
+```python
+from transformers import pipeline
+classify = pipeline("text-classification", model="THIS_DIRECTORY")
+classify(["first text", "second text"])
+```
+
+or `AutoModelForSequenceClassification.from_pretrained("THIS_DIRECTORY")` with
+`AutoTokenizer.from_pretrained("THIS_DIRECTORY")`. The model reads each text's last real token, found as the last
+token that is not the padding token (`pad_token_id` in config.json); the tokenizer pads on the right, as training
+did, and encodes the spelling of a special token inside a text as plain text (`split_special_tokens`), as
+training did, so that no text can contain the padding token."""
+
+
+def labels(meta: dict) -> str:
+    rows = "\n".join(f"| {i} | {name} |" for i, name in enumerate(meta["label_names"]))
+    return f"## Labels\n\n| id | label |\n| --- | --- |\n{rows}"
+
+
+def results(metrics: dict) -> str:
+    """Accuracy and loss per split, and the test split per class, from metrics.json."""
+    if not metrics:
+        return "## Results\n\nThe run has no metrics.json."
+    rows = [
+        f"| {k} | {metrics[f'{k}_accuracy']:.2%} | {metrics[f'{k}_loss']:.4f} |"
+        for k in ("train", "val", "test")
+        if f"{k}_accuracy" in metrics
+    ]
+    text = "## Results\n\n| split | accuracy | loss |\n| --- | --- | --- |\n" + "\n".join(rows)
+    if per_class := metrics.get("test_per_class"):
+        text += "\n\nTest split per class:\n\n| label | precision | recall | F1 | support |\n"
+        text += "| --- | --- | --- | --- | --- |\n"
+        text += "\n".join(
+            f"| {name} | {m['precision']:.3f} | {m['recall']:.3f} | {m['f1']:.3f} | {m['support']:,} |"
+            for name, m in per_class.items()
+        )
+    return text
+
+
+def training(meta: dict, metrics: dict, dtype: torch.dtype) -> str:
+    """What trained and how: blocks, adapters, lengths, dtypes and the recipe's settings."""
+    last = meta["train_last"]
+    trained = "every weight" if last is None else f"the head, the final norm and the last {last} blocks"
+    lines = [f"- base model: {base_name(meta)}", f"- trained: {trained}"]
+    if lora := meta.get("lora"):
+        lines.append(
+            f"- LoRA: rank {lora['rank']}, alpha {lora['alpha']}, targets {', '.join(lora['targets'])}, "
+            f"blocks {', '.join(map(str, lora['blocks']))} (merged into the weights here)"
+        )
+    lines.append(
+        f"- texts cut to {meta['max_length']} tokens in training; trained in {meta['dtype']}, exported in "
+        f"{str(dtype).removeprefix('torch.')}"
+    )
+    if "steps" in metrics:
+        steps = metrics["steps"]
+        lines.append(f"- {steps:,} optimizer step{'s' if steps != 1 else ''}, best epoch {metrics.get('best_epoch')}")
+    settings = meta.get("settings") or {}
+    shown = {
+        k: v
+        for k, v in settings.items()
+        if k in ("epochs", "batch_size", "grad_accum", "lr", "weight_decay", "warmup", "schedule", "seed", "max_steps")
+    }
+    if shown:
+        lines.append("- settings: " + ", ".join(f"{k} {v}" for k, v in shown.items()))
+    return "## Training\n\n" + "\n".join(lines)
