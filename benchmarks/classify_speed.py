@@ -25,7 +25,7 @@ import torch
 import transformers
 
 from llama_scratch import classify, export_hf, finetune_classifier
-from llama_scratch.data import load_sms_spam
+from llama_scratch.data.labelled import load_sms_spam
 
 
 def make_run(tmp: Path, model: str | None) -> tuple[Path, Path]:

@@ -95,8 +95,8 @@ def write_random_checkpoint(cfg, out_dir: Path, shard_bytes: int = 5 * GiB, seed
     equal) and streamed into the safetensors files, so memory stays flat even for 16 GB. config.json is written last
     and marks a complete checkpoint; an interrupted run leaves no config.json and starts over.
     """
-    from llama_scratch.checkpoint_files import ours_to_hf
-    from llama_scratch.model import Llama
+    from llama_scratch.checkpoints.hf_layout import ours_to_hf
+    from llama_scratch.model.llama import Llama
 
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / "config.json").unlink(missing_ok=True)
@@ -154,7 +154,7 @@ def write_random_checkpoint(cfg, out_dir: Path, shard_bytes: int = 5 * GiB, seed
 
 
 def checkpoint_files(ckpt: Path) -> list[Path]:
-    from llama_scratch.checkpoint_files import find_checkpoint_files
+    from llama_scratch.checkpoints.hf_layout import find_checkpoint_files
 
     return find_checkpoint_files(ckpt)
 

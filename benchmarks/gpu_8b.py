@@ -46,9 +46,9 @@ sys.path[:0] = [str(Path(__file__).resolve().parent), str(Path(__file__).resolve
 from common import write_random_checkpoint  # noqa: E402
 
 from llama_scratch import Llama, LlamaClassifier, LlamaConfig  # noqa: E402
-from llama_scratch.plan import GiB, Recipe, count_parameters, plan_memory  # noqa: E402
-from llama_scratch.train import TrainSettings, make_optimizer  # noqa: E402
-from llama_scratch.weights import load_weights, save_checkpoint  # noqa: E402
+from llama_scratch.checkpoints.weights import load_weights, save_checkpoint  # noqa: E402
+from llama_scratch.planning.memory import GiB, Recipe, count_parameters, plan_memory  # noqa: E402
+from llama_scratch.training.loop import TrainSettings, make_optimizer  # noqa: E402
 
 SHAPES = {
     "llama3-8b": LlamaConfig.from_name("llama3-8b", dtype=torch.bfloat16),

@@ -56,8 +56,8 @@ def disk_read_bytes() -> int:
 
 def load(method: str, ckpt: Path, device: torch.device) -> torch.nn.Module:
     from llama_scratch import Llama, LlamaConfig
-    from llama_scratch.checkpoint_files import hf_to_ours
-    from llama_scratch.weights import load_weights
+    from llama_scratch.checkpoints.hf_layout import hf_to_ours
+    from llama_scratch.checkpoints.weights import load_weights
 
     cfg = LlamaConfig.from_hf(ckpt)
     if method == "raw":  # the least any loader must do: the files' bytes into new memory on the device
@@ -99,7 +99,7 @@ def worker(method: str, ckpt: Path, device: torch.device) -> None:
     """Load, measure, touch, measure; one JSON line on stdout."""
     if method == "transformers":
         import transformers  # noqa: F401  (imported before the baseline: its import is not loading)
-    import llama_scratch.weights  # noqa: F401
+    import llama_scratch.checkpoints.weights  # noqa: F401
 
     with torch.device("meta"):  # the first init on meta imports parts of torch (~2 s), which is not loading
         torch.nn.Embedding(2, 2), torch.nn.Linear(2, 2)

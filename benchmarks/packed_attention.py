@@ -13,7 +13,7 @@ import time
 import torch
 import torch.nn.functional as F
 
-from llama_scratch.packing import pack
+from llama_scratch.model.packing import pack
 
 HEADS, KV_HEADS, HEAD_DIM = 8, 2, 64
 

@@ -21,9 +21,9 @@ sys.path.insert(0, str(Path(__file__).parent))
 from train_speed import BENCH_PRESETS, renumber  # noqa: E402
 
 from llama_scratch import Llama, LlamaClassifier, Tokenizer  # noqa: E402
-from llama_scratch.batching import Split, forward, length_sorted_batches, to_batch  # noqa: E402
-from llama_scratch.data import load_sms_spam  # noqa: E402
-from llama_scratch.prefix_cache import compute_frozen_states  # noqa: E402
+from llama_scratch.data.batching import Split, forward, length_sorted_batches, to_batch  # noqa: E402
+from llama_scratch.data.labelled import load_sms_spam  # noqa: E402
+from llama_scratch.training.prefix_cache import compute_frozen_states  # noqa: E402
 
 
 def main() -> None:

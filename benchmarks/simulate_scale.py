@@ -11,8 +11,8 @@ built and sharded by `sharding.shard_model`, `train.make_optimizer` with `TrainS
 weights and moments), a batch of `--batch-size` texts of `--max-length` tokens laid out by `batching.to_batch` as
 training lays it out (packed), the forward, the loss, backward and the optimizer step, twice. PyTorch's
 `FSDPMemTracker` (`MemTracker` with `--no-shard`) counts every tensor one process allocates and frees. That peak
-is printed beside the plan's (`llama_scratch.plan`, what `--plan` prints) for the same recipe; `--json` makes the
-last line one JSON object.
+is printed beside the plan's (`llama_scratch.planning.memory`, what `--plan` prints) for the same recipe; `--json`
+makes the last line one JSON object.
 
 What its peak is (torch/distributed/_tools/mem_tracker.py): after every operation the tracker sees, it sums the
 bytes of the storages alive per device and keeps the largest sum since it was entered, with the breakdown by kind
@@ -61,14 +61,14 @@ from torch.testing._internal.distributed.fake_pg import FakeStore
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from a fresh clone without installing
 
 from llama_scratch import sharding  # noqa: E402
-from llama_scratch.batching import Split, forward, to_batch  # noqa: E402
-from llama_scratch.classifier import LlamaClassifier  # noqa: E402
-from llama_scratch.config import PRESETS, LlamaConfig  # noqa: E402
-from llama_scratch.lora import LoRASettings  # noqa: E402
-from llama_scratch.model import Llama  # noqa: E402
-from llama_scratch.plan import MemoryPlan, Recipe, plan_memory  # noqa: E402
-from llama_scratch.plan_advice import smallest_world  # noqa: E402
-from llama_scratch.train import TrainSettings, make_optimizer  # noqa: E402
+from llama_scratch.data.batching import Split, forward, to_batch  # noqa: E402
+from llama_scratch.model.classifier import LlamaClassifier  # noqa: E402
+from llama_scratch.model.config import PRESETS, LlamaConfig  # noqa: E402
+from llama_scratch.model.llama import Llama  # noqa: E402
+from llama_scratch.model.lora import LoRASettings  # noqa: E402
+from llama_scratch.planning.advice import smallest_world  # noqa: E402
+from llama_scratch.planning.memory import MemoryPlan, Recipe, plan_memory  # noqa: E402
+from llama_scratch.training.loop import TrainSettings, make_optimizer  # noqa: E402
 
 GiB = 2**30
 CPU = torch.device("cpu")

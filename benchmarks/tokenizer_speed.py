@@ -16,7 +16,7 @@ from pathlib import Path
 
 import tiktoken
 
-from llama_scratch.tokenizer import Tokenizer, default_model_path
+from llama_scratch.model.tokenizer import Tokenizer, default_model_path
 
 SMS = Path(__file__).parents[1] / "llama_scratch" / "data" / "sms_spam.tsv"
 

@@ -48,13 +48,13 @@ import transformers
 from torch import nn
 
 from llama_scratch import Llama, LlamaClassifier, LlamaConfig, Tokenizer
-from llama_scratch.batching import collate
-from llama_scratch.checkpoint_files import ours_to_hf
-from llama_scratch.data import load_sms_spam
-from llama_scratch.lora import TARGETS, LoRASettings, lora_layers
-from llama_scratch.packing import pack_ids
-from llama_scratch.train import TrainSettings, make_optimizer
-from llama_scratch.weights import load_weights, save_checkpoint
+from llama_scratch.checkpoints.hf_layout import ours_to_hf
+from llama_scratch.checkpoints.weights import load_weights, save_checkpoint
+from llama_scratch.data.batching import collate
+from llama_scratch.data.labelled import load_sms_spam
+from llama_scratch.model.lora import TARGETS, LoRASettings, lora_layers
+from llama_scratch.model.packing import pack_ids
+from llama_scratch.training.loop import TrainSettings, make_optimizer
 
 BENCH_PRESETS = {
     # ~27M parameters in the blocks + 16.8M in the (tied) embedding: one step ~0.1-1 s on a 2-core CPU.

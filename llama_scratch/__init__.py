@@ -1,9 +1,13 @@
 """llama_scratch: a from-scratch Llama-3 in plain PyTorch, and the tools to fine-tune it as a text classifier.
 
-The public names are imported on first use, not when the package is: `python -m llama_scratch.download` imports
-this package before it runs `download` as __main__, and an eager import here (sources imports download) would
-load that module a second time and make Python warn (RuntimeWarning: found in sys.modules). Lazily, importing the
-package runs no command module, and `from llama_scratch import load_model` still works.
+The package is in folders that are its layers (ARCHITECTURE.md): `model/` (the network, LoRA, the head, the
+tokenizer), `checkpoints/` (files), `sources/` (what `--model` means), `data/`, `parallel/`, `training/` and
+`planning/`; the commands are the modules at the top (`llama-scratch --help` lists them).
+
+The public names are imported on first use, not when the package is: `llama-scratch --help` and every
+`python -m llama_scratch.COMMAND` import this package first, and an eager import here would make each of them pay
+for torch and the whole package before it does anything (and `python -m llama_scratch.download` warned, when
+the package imported that module before it ran as __main__). `from llama_scratch import load_model` works as ever.
 """
 
 from __future__ import annotations
@@ -12,23 +16,23 @@ import importlib
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:  # for type checkers and editors only; at run time __getattr__ imports them
-    from .classifier import LlamaClassifier
-    from .config import LlamaConfig
-    from .model import Llama
-    from .sources import load_model
-    from .tokenizer import Tokenizer
-    from .weights import load_weights, save_checkpoint, save_weights
+    from .checkpoints.weights import load_weights, save_checkpoint, save_weights
+    from .model.classifier import LlamaClassifier
+    from .model.config import LlamaConfig
+    from .model.llama import Llama
+    from .model.tokenizer import Tokenizer
+    from .sources.resolve import load_model
 
 # public name -> the module that defines it (tests/test_first_day.py checks it against __all__)
 _HOMES = {
-    "LlamaConfig": "config",
-    "Llama": "model",
-    "LlamaClassifier": "classifier",
-    "Tokenizer": "tokenizer",
-    "load_weights": "weights",
-    "load_model": "sources",
-    "save_checkpoint": "weights",
-    "save_weights": "weights",
+    "LlamaConfig": "model.config",
+    "Llama": "model.llama",
+    "LlamaClassifier": "model.classifier",
+    "Tokenizer": "model.tokenizer",
+    "load_weights": "checkpoints.weights",
+    "load_model": "sources.resolve",
+    "save_checkpoint": "checkpoints.weights",
+    "save_weights": "checkpoints.weights",
 }
 
 __all__ = [

@@ -19,22 +19,27 @@ import torch
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_file
 
-from .atomic import write_text_atomic
-from .batching import Split, forward, length_sorted_batches, to_batch
-from .classifier import LlamaClassifier
-from .classify_inputs import Inputs, read_inputs
-from .config import PRESETS, LlamaConfig, parse_dtype
-from .data import DataError
-from .devices import choose_dtype, resolve_device
-from .download import DownloadError
-from .evaluation import per_class
-from .lora import LoRASettings
-from .model import Llama
-from .plan import count_parameters
-from .sources import load_model
-from .tokenizer import Tokenizer
-from .train import RESUME_FILE
-from .weights import CheckpointError, copy_named_tensors
+from .checkpoints.atomic import write_text_atomic
+from .checkpoints.weights import CheckpointError, copy_named_tensors
+from .data.batching import (
+    Split,
+    forward,
+    length_sorted_batches,
+    to_batch,
+)
+from .data.inputs import Inputs, read_inputs
+from .data.labelled import DataError
+from .model.classifier import LlamaClassifier
+from .model.config import PRESETS, LlamaConfig, parse_dtype
+from .model.counts import count_parameters
+from .model.llama import Llama
+from .model.lora import LoRASettings
+from .model.tokenizer import Tokenizer
+from .sources.devices import choose_dtype, resolve_device
+from .sources.fetch import DownloadError
+from .sources.resolve import load_model
+from .training.evaluation import per_class
+from .training.loop import RESUME_FILE
 
 SHOWN_SKIPS = 5  # skipped inputs named in the note; the rest are counted
 ECHO_CHARS = 72  # of each text, after its label: enough to tell texts apart, one line; --output holds the whole

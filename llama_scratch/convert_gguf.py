@@ -3,7 +3,7 @@ directory.
 
 OUT_DIR is built beside its final place and swapped in by renames, so it is complete or absent. An existing
 OUT_DIR is replaced only if this tool wrote it; --force also replaces a checkpoint written by something else, but
-never a directory holding anything other than checkpoint files (see `llama_scratch.checkpoint_files.replaceable`).
+never a directory holding anything other than checkpoint files (see `llama_scratch.checkpoints.hf_layout.replaceable`).
 """
 
 from __future__ import annotations
@@ -12,8 +12,8 @@ import argparse
 import sys
 import time
 
-from .config import parse_dtype
-from .gguf import GGUFError, convert_gguf
+from .checkpoints.gguf import GGUFError, convert_gguf
+from .model.config import parse_dtype
 
 
 def main(argv: list[str] | None = None) -> int:

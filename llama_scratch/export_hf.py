@@ -21,15 +21,15 @@ from pathlib import Path
 
 import torch
 
-from .atomic import replace_directory, write_text_atomic
+from .checkpoints.atomic import replace_directory, write_text_atomic
+from .checkpoints.export_tokenizer import tokenizer_file, tokenizer_files
+from .checkpoints.export_weights import Lora, plan_export, write_weights
+from .checkpoints.model_card import model_card
 from .classify import find_base_model, run_description
-from .config import LlamaConfig, parse_dtype
-from .download import DownloadError
-from .export_tokenizer import tokenizer_file, tokenizer_files
-from .export_weights import Lora, plan_export, write_weights
-from .model_card import model_card
-from .sources import local_checkpoint
-from .tokenizer import Tokenizer
+from .model.config import LlamaConfig, parse_dtype
+from .model.tokenizer import Tokenizer
+from .sources.fetch import DownloadError
+from .sources.resolve import local_checkpoint
 
 MARKER = "llama_scratch_export.json"  # names the files an export wrote: only those are ever replaced
 GB = 10**9

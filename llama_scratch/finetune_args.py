@@ -6,8 +6,8 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from .lora import TARGETS
-from .train import TrainSettings
+from .model.lora import TARGETS
+from .training.loop import TrainSettings
 
 
 def build_parser() -> argparse.ArgumentParser:

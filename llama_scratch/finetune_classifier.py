@@ -19,23 +19,53 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file
 
-from . import distributed, sharding
-from .batching import Split, default_max_length, encode_texts
-from .classifier import LlamaClassifier
-from .config import LlamaConfig
-from .data import DataWarning, LabelledTexts, load_dataset
-from .devices import choose_dtype, make_deterministic
-from .distributed import Dist
-from .download import DownloadError
-from .evaluation import evaluate, per_class, warn_if_one_class
+from .checkpoints.resume import ResumeError, read_point
+from .checkpoints.weights import copy_named_tensors, save_weights
+from .data.batching import Split, default_max_length, encode_texts
+from .data.labelled import DataWarning, LabelledTexts, load_dataset
+from .data.splits import default_protocol, split_dataset
 from .finetune_args import parse_args, recorded_flags, resumed_flags
-from .interrupts import sigterm_as_ctrl_c
-from .lora import TARGETS, LoRASettings
-from .plan import Recipe, count_parameters
-from .plan_report import detect_gpu, plan_command, plans_from_scratch, refuse_unfit_replica
-from .prefix_cache import cache_splits, use_cache
-from .resume import ResumeError, read_point
-from .run_dir import (
+from .model.classifier import LlamaClassifier
+from .model.config import LlamaConfig
+from .model.counts import count_parameters
+from .model.lora import TARGETS, LoRASettings
+from .model.tokenizer import Tokenizer
+from .parallel import distributed, sharding
+from .parallel.distributed import Dist
+from .planning.memory import Recipe
+from .planning.report import (
+    detect_gpu,
+    plan_command,
+    plans_from_scratch,
+    refuse_unfit_replica,
+)
+from .sources.devices import choose_dtype, make_deterministic
+from .sources.fetch import DownloadError
+from .sources.resolve import (
+    chosen_train_last,
+    config_of,
+    default_model,
+    is_repo_id,
+    load_model,
+    local_checkpoint,
+    resolve_tokenizer,
+    trains_from_scratch,
+)
+from .training.evaluation import evaluate, per_class, warn_if_one_class
+from .training.interrupts import sigterm_as_ctrl_c
+from .training.loop import (
+    RESUME_DIR,
+    RESUME_FILE,
+    TrainingDiverged,
+    TrainSettings,
+    TrainState,
+    balanced_weights,
+    check_same_run,
+    epochs_for_min_steps,
+    train,
+)
+from .training.prefix_cache import cache_splits, use_cache
+from .training.run_dir import (
     BEST_FILE,
     RESULT_WEIGHTS,
     base_model_record,
@@ -48,30 +78,6 @@ from .run_dir import (
     start_output,
     write_results,
 )
-from .sources import (
-    chosen_train_last,
-    config_of,
-    default_model,
-    is_repo_id,
-    load_model,
-    local_checkpoint,
-    resolve_tokenizer,
-    trains_from_scratch,
-)
-from .splits import default_protocol, split_dataset
-from .tokenizer import Tokenizer
-from .train import (
-    RESUME_DIR,
-    RESUME_FILE,
-    TrainingDiverged,
-    TrainSettings,
-    TrainState,
-    balanced_weights,
-    check_same_run,
-    epochs_for_min_steps,
-    train,
-)
-from .weights import copy_named_tensors, save_weights
 
 
 def recipe(args: argparse.Namespace, from_scratch: bool, train_labels: list[int], num_classes: int, env: Dist,
@@ -282,7 +288,8 @@ def run(args: argparse.Namespace, progress: Progress | None = None) -> dict:
         if args.model is None:  # the default model may have to be downloaded: a plan names its model instead
             raise ValueError("--plan needs --model: a preset (e.g. llama3-8b), a checkpoint directory or a repo id")
         scratch = plans_from_scratch(args.model)
-        return plan_command(args, chosen_train_last(args.train_last, scratch), lora_settings(args, scratch))
+        cfg = config_of(args.model)
+        return plan_command(args, cfg, chosen_train_last(args.train_last, scratch), lora_settings(args, scratch))
     job, settings, log = prepare(args, progress)
     args, env, device, choice, out, parts = job.args, job.env, job.device, job.choice, job.out, job.parts
     progress.phase = "loading the weights"

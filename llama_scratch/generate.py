@@ -19,11 +19,16 @@ from collections.abc import Iterator, Sequence
 
 import torch
 
-from .devices import choose_dtype, resolve_device
-from .download import DownloadError
-from .model import KVCache, Llama
-from .sources import default_model, load_model, local_checkpoint, resolve_tokenizer
-from .tokenizer import Tokenizer
+from .model.llama import KVCache, Llama
+from .model.tokenizer import Tokenizer
+from .sources.devices import choose_dtype, resolve_device
+from .sources.fetch import DownloadError
+from .sources.resolve import (
+    default_model,
+    load_model,
+    local_checkpoint,
+    resolve_tokenizer,
+)
 
 
 def pick_token(

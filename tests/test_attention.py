@@ -13,9 +13,9 @@ import torch
 import torch.nn.functional as F
 
 from llama_scratch import Llama, LlamaClassifier, LlamaConfig
-from llama_scratch.classifier import last_real_token
 from llama_scratch.generate import generate
-from llama_scratch.model import KVCache
+from llama_scratch.model.classifier import last_real_token
+from llama_scratch.model.llama import KVCache
 
 from .hf_reference import padded_batch
 

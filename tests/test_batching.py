@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from llama_scratch.batching import collate, default_max_length, encode_texts, length_sorted_batches
+from llama_scratch.data.batching import collate, default_max_length, encode_texts, length_sorted_batches
 
 
 class ByteTokenizer:

@@ -10,8 +10,8 @@ import re
 import pytest
 
 from llama_scratch import classify, export_hf, finetune_classifier, generate
-from llama_scratch.classify_inputs import choose_columns, known_label
-from llama_scratch.data import load_dataset
+from llama_scratch.data.inputs import choose_columns, known_label
+from llama_scratch.data.labelled import load_dataset
 
 from .test_finetune import args_for
 

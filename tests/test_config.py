@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from llama_scratch import LlamaConfig
-from llama_scratch.config import PRESETS, RopeScaling
+from llama_scratch.model.config import PRESETS, RopeScaling
 
 
 def test_presets_have_published_shapes():

@@ -5,8 +5,8 @@ from pathlib import Path
 
 import pytest
 
-from llama_scratch import hub_data
-from llama_scratch.data import DataError, load_dataset
+from llama_scratch.data import hub as hub_data
+from llama_scratch.data.labelled import DataError, load_dataset
 
 pa = pytest.importorskip("pyarrow")
 pq = pytest.importorskip("pyarrow.parquet")

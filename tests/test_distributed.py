@@ -25,9 +25,10 @@ GRADIENTS_SCRIPT = textwrap.dedent(
 
     import torch
 
-    from llama_scratch import Llama, LlamaClassifier, LlamaConfig, distributed
-    from llama_scratch.batching import Split
-    from llama_scratch.train import TrainSettings, train
+    from llama_scratch import Llama, LlamaClassifier, LlamaConfig
+    from llama_scratch.parallel import distributed
+    from llama_scratch.data.batching import Split
+    from llama_scratch.training.loop import TrainSettings, train
 
     env, device = distributed.setup("cpu")
     ids = [[1 + (i * 7 + j) % 100 for j in range(5 + i % 4)] for i in range(32)]
@@ -65,9 +66,11 @@ CACHE_SCRIPT = textwrap.dedent(
 
     import torch
 
-    from llama_scratch import Llama, LlamaClassifier, LlamaConfig, distributed, prefix_cache
-    from llama_scratch.distributed import Dist
-    from llama_scratch.prefix_cache import compute_frozen_states
+    from llama_scratch import Llama, LlamaClassifier, LlamaConfig
+    from llama_scratch.parallel import distributed
+    from llama_scratch.training import prefix_cache
+    from llama_scratch.parallel.distributed import Dist
+    from llama_scratch.training.prefix_cache import compute_frozen_states
 
     env, device = distributed.setup("cpu")
     torch.manual_seed(0)

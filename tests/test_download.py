@@ -17,11 +17,12 @@ from types import SimpleNamespace
 
 import pytest
 
-from llama_scratch import download, gguf
-from llama_scratch.checkpoint_files import foreign_entries, replaceable, written_by_us
+from llama_scratch.checkpoints import gguf
+from llama_scratch.checkpoints.gguf import convert_gguf
+from llama_scratch.checkpoints.hf_layout import foreign_entries, replaceable, written_by_us
 from llama_scratch.convert_gguf import main as convert_main
 from llama_scratch.download import DownloadError
-from llama_scratch.gguf import convert_gguf
+from llama_scratch.sources import fetch as download
 
 REPO = "meta-llama/Llama-3.2-1B"
 
@@ -354,7 +355,7 @@ def test_failed_conversion_leaves_the_old_directory(tiny_gguf, tmp_path, monkeyp
 def test_a_gguf_conversion_is_reused_only_for_its_own_file(tiny_gguf, tmp_path, monkeypatch):
     """Two files both called tiny.gguf get two conversions; the same file is converted once."""
 
-    from llama_scratch import sources
+    from llama_scratch.sources import resolve as sources
 
     monkeypatch.setattr(sources, "WEIGHTS_DIR", tmp_path / "weights")
     other = tmp_path / "elsewhere" / "tiny.gguf"

@@ -13,11 +13,12 @@ import transformers
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
-from llama_scratch import Llama, LlamaConfig, classify, export_hf, export_weights, finetune_classifier
-from llama_scratch.batching import collate
-from llama_scratch.checkpoint_files import find_checkpoint_files, ours_to_hf
-from llama_scratch.lora import TARGETS, merged_weight
-from llama_scratch.weights import save_checkpoint
+from llama_scratch import Llama, LlamaConfig, classify, export_hf, finetune_classifier
+from llama_scratch.checkpoints import export_weights
+from llama_scratch.checkpoints.hf_layout import find_checkpoint_files, ours_to_hf
+from llama_scratch.checkpoints.weights import save_checkpoint
+from llama_scratch.data.batching import collate
+from llama_scratch.model.lora import TARGETS, merged_weight
 
 from .test_finetune import args_for
 

@@ -13,9 +13,10 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
-from llama_scratch import classify, finetune_classifier, sources
-from llama_scratch.config import parse_dtype
-from llama_scratch.resume import read_point
+from llama_scratch import classify, finetune_classifier
+from llama_scratch.checkpoints.resume import read_point
+from llama_scratch.model.config import parse_dtype
+from llama_scratch.sources import resolve as sources
 
 
 def args_for(data: Path, out: Path, *extra: str) -> list[str]:
@@ -62,7 +63,7 @@ def test_one_process_run_writes_results_and_classify_reads_them(small_csv, tmp_p
 
 def test_saves_only_trained_parameters_for_a_pretrained_backbone(small_csv, tmp_path):
     from llama_scratch import Llama, LlamaConfig
-    from llama_scratch.weights import save_checkpoint
+    from llama_scratch.checkpoints.weights import save_checkpoint
 
     cfg = LlamaConfig.from_name("tiny")
     base = tmp_path / "base"
@@ -183,7 +184,7 @@ def test_bad_train_last_is_a_clear_error(small_csv, tmp_path):
 def resume_parts():
     """A tiny classifier with the optimizer, schedule and settings that a resume point saves."""
     from llama_scratch import Llama, LlamaClassifier, LlamaConfig
-    from llama_scratch.train import TrainSettings, make_optimizer
+    from llama_scratch.training.loop import TrainSettings, make_optimizer
 
     clf = LlamaClassifier(Llama(LlamaConfig.from_name("tiny")), train_last=1)
     s = TrainSettings()
@@ -192,7 +193,7 @@ def resume_parts():
 
 
 def test_resume_refuses_another_world_size_or_model(tmp_path):
-    from llama_scratch.train import TrainState, load_resume_point, save_resume_point
+    from llama_scratch.training.loop import TrainState, load_resume_point, save_resume_point
 
     clf, opt, sched, s = resume_parts()
     path = tmp_path / "resume.safetensors"
@@ -206,7 +207,7 @@ def test_resume_refuses_another_world_size_or_model(tmp_path):
 
 def test_a_resume_point_from_before_epoch_sums_still_loads(tmp_path):
     """Resume points written before TrainState.epoch_sums existed lack that key; they resume with the sums at zero."""
-    from llama_scratch.train import TrainState, load_resume_point, save_resume_point
+    from llama_scratch.training.loop import TrainState, load_resume_point, save_resume_point
 
     clf, opt, sched, s = resume_parts()
     path = tmp_path / "resume.safetensors"
@@ -228,7 +229,7 @@ def test_free_memory_without_proc_meminfo_falls_back(monkeypatch):
     """macOS has neither /proc/meminfo nor SC_AVPHYS_PAGES: the cache's room is then the budget alone."""
     import os
 
-    from llama_scratch import devices
+    from llama_scratch.sources import devices
 
     def no_file(self, *a, **k):
         raise FileNotFoundError(self)
@@ -285,7 +286,7 @@ def test_resume_refuses_other_flags_or_data_before_loading_anything(small_csv, t
             raise KeyboardInterrupt
 
     with monkeypatch.context() as m:
-        m.setattr("llama_scratch.train.check_finite", interrupt_on_the_third_step)
+        m.setattr("llama_scratch.training.loop.check_finite", interrupt_on_the_third_step)
         assert finetune_classifier.main(argv) == 130
     assert "continue with: python -m llama_scratch.finetune_classifier --resume --output" in capsys.readouterr().err
     assert read_point(out / "resume.safetensors")["state"]["step"] == 2
@@ -300,7 +301,7 @@ def test_resume_refuses_other_flags_or_data_before_loading_anything(small_csv, t
 
 
 def test_the_kept_epoch_is_said_and_marked():
-    from llama_scratch.train import TrainState
+    from llama_scratch.training.loop import TrainState
 
     rows = [{"epoch": e, "val_accuracy": acc, "val_loss": 0.1} for e, acc in ((1, 0.9), (2, 0.95), (3, 0.93))]
     said = finetune_classifier.kept_epoch(TrainState(best_epoch=2, history=rows))

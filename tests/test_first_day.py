@@ -11,8 +11,8 @@ import pytest
 import torch
 
 from llama_scratch import Llama, LlamaConfig, classify, finetune_classifier
-from llama_scratch.devices import choose_dtype
-from llama_scratch.weights import save_checkpoint
+from llama_scratch.checkpoints.weights import save_checkpoint
+from llama_scratch.sources.devices import choose_dtype
 
 from .test_finetune import args_for
 
@@ -80,7 +80,7 @@ def test_asking_for_a_missing_gpu_is_one_line(small_csv, tmp_path):
 
 
 def test_auto_dtype_keeps_the_stored_dtype_when_a_float32_copy_would_not_fit(monkeypatch):
-    from llama_scratch import devices
+    from llama_scratch.sources import devices
 
     cpu, lines = torch.device("cpu"), []
     monkeypatch.setattr(devices, "free_memory", lambda device: 20 * 2**30)
@@ -93,7 +93,9 @@ def test_auto_dtype_keeps_the_stored_dtype_when_a_float32_copy_would_not_fit(mon
 def test_a_resume_point_holds_only_what_trains(tmp_path):
     """On CPU the trained tensors are views of the memory-mapped checkpoint; a resume point must still hold their
     own bytes only (torch.save wrote the whole mapped file: 595 MB instead of ~85 MB for the default job)."""
-    from llama_scratch import LlamaClassifier, sources, train
+    from llama_scratch import LlamaClassifier
+    from llama_scratch.sources import resolve as sources
+    from llama_scratch.training import loop as train
 
     cfg = LlamaConfig.from_name("tiny")
     save_checkpoint(Llama(cfg), cfg, tmp_path / "base")
@@ -118,7 +120,7 @@ def test_every_option_names_one_default_and_it_is_the_code_s():
     import dataclasses
 
     from llama_scratch.finetune_args import build_parser
-    from llama_scratch.train import TrainSettings
+    from llama_scratch.training.loop import TrainSettings
 
     parser_actions = build_parser()._actions
     settings = {f.name: f.default for f in dataclasses.fields(TrainSettings)}
@@ -140,7 +142,7 @@ def test_every_option_names_one_default_and_it_is_the_code_s():
 
 
 def test_small_data_gets_more_epochs_and_a_useless_model_is_called_out():
-    from llama_scratch.distributed import Dist
+    from llama_scratch.parallel.distributed import Dist
 
     args = finetune_classifier.parse_args(["--data", "x.csv"])
     lines = []
@@ -188,8 +190,8 @@ def test_sixty_separable_reviews_learn_with_the_default_recipe(smollm2_dir, tmp_
 
 
 def test_each_process_takes_a_gpu_it_can_see():
-    from llama_scratch.devices import DeviceError
-    from llama_scratch.distributed import Dist, process_device
+    from llama_scratch.parallel.distributed import Dist, process_device
+    from llama_scratch.sources.devices import DeviceError
 
     # Slurm --gpus-per-task: every process sees one GPU (CUDA_VISIBLE_DEVICES of one), local ranks 0..7.
     assert process_device("auto", Dist(rank=13, local_rank=5, world_size=16), gpus=1) == torch.device("cuda", 0)
@@ -207,9 +209,10 @@ def test_each_process_takes_a_gpu_it_can_see():
 
 
 def test_patience_stops_early_and_class_weights_weigh_the_rare_class(tmp_path):
-    from llama_scratch import LlamaClassifier, train
-    from llama_scratch.batching import Split
-    from llama_scratch.distributed import Dist
+    from llama_scratch import LlamaClassifier
+    from llama_scratch.data.batching import Split
+    from llama_scratch.parallel.distributed import Dist
+    from llama_scratch.training import loop as train
 
     assert train.balanced_weights([0, 0, 0, 1], 2) == [4 / 6, 2.0]
     ids = [[1 + (i * 7 + j) % 100 for j in range(4 + i % 5)] for i in range(24)]
@@ -256,8 +259,8 @@ def test_each_node_makes_the_model_local_once(monkeypatch):
     """Two nodes of two processes, no shared disk: rank 0 fetches first, then rank 2 (the first process of node 2)
     fetches on its own disk; ranks 1 and 3 fetch nothing and take their node's path. An error on rank 0 reaches
     every process, instead of leaving them waiting in a collective."""
-    from llama_scratch import distributed
-    from llama_scratch.distributed import Dist, on_each_node
+    from llama_scratch.parallel import distributed
+    from llama_scratch.parallel.distributed import Dist, on_each_node
 
     node_paths = {0: "/node0/weights/m", 2: "/node2/weights/m"}
     for rank in range(4):
@@ -314,7 +317,8 @@ def test_every_command_starts_without_a_warning(module):
 def test_the_public_names_still_import_from_the_package():
     """The names ARCHITECTURE.md lists, imported lazily now: each one, and `import *`."""
     import llama_scratch
-    from llama_scratch import load_model, sources
+    from llama_scratch import load_model
+    from llama_scratch.sources import resolve as sources
 
     assert sorted(llama_scratch._HOMES) == sorted(llama_scratch.__all__)
     names: dict = {}

@@ -23,11 +23,11 @@ import numpy as np
 import pytest
 import torch
 
-from llama_scratch.checkpoint_files import CheckpointError, find_checkpoint_files, read_header
-from llama_scratch.config import LlamaConfig
-from llama_scratch.gguf import GGUFError, check_tensor_types, dequantize, open_gguf, read_metadata
-from llama_scratch.model import Llama
-from llama_scratch.weights import load_weights, save_weights
+from llama_scratch.checkpoints.gguf import GGUFError, check_tensor_types, dequantize, open_gguf, read_metadata
+from llama_scratch.checkpoints.hf_layout import CheckpointError, find_checkpoint_files, read_header
+from llama_scratch.checkpoints.weights import load_weights, save_weights
+from llama_scratch.model.config import LlamaConfig
+from llama_scratch.model.llama import Llama
 
 # --- safetensors: the index -----------------------------------------------------------------------------------
 
@@ -324,7 +324,7 @@ def test_hostile_gguf_is_a_gguf_error(tmp_path, data, message):
 
 BOMB_SCRIPT = """
 import resource, sys, time
-from llama_scratch.gguf import GGUFError, open_gguf
+from llama_scratch.checkpoints.gguf import GGUFError, open_gguf
 import gguf  # imported before measuring
 vm = int(next(line.split()[1] for line in open("/proc/self/status") if line.startswith("VmSize"))) * 1024
 resource.setrlimit(resource.RLIMIT_AS, (vm + 1_000_000_000, resource.RLIM_INFINITY))  # the old reader: MemoryError

@@ -11,11 +11,11 @@ import transformers
 from torch import nn
 
 from llama_scratch import Llama, LlamaClassifier, LlamaConfig, classify, finetune_classifier
-from llama_scratch.data import load_dataset
-from llama_scratch.lora import TARGETS, LoRALinear, LoRASettings, add_lora, merge_lora
-from llama_scratch.plan import Recipe, count_parameters, plan_memory
-from llama_scratch.splits import split_dataset
-from llama_scratch.weights import save_checkpoint
+from llama_scratch.checkpoints.weights import save_checkpoint
+from llama_scratch.data.labelled import load_dataset
+from llama_scratch.data.splits import split_dataset
+from llama_scratch.model.lora import TARGETS, LoRALinear, LoRASettings, add_lora, merge_lora
+from llama_scratch.planning.memory import Recipe, count_parameters, plan_memory
 
 from .hf_reference import ours_from_hf, padded_batch, real_positions, tiny_cfg
 from .test_finetune import args_for, run_module

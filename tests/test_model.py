@@ -4,8 +4,8 @@ import pytest
 import torch
 
 from llama_scratch import Llama, LlamaConfig
-from llama_scratch.config import RopeScaling
-from llama_scratch.model import RMSNorm, rope_frequencies
+from llama_scratch.model.config import RopeScaling
+from llama_scratch.model.llama import RMSNorm, rope_frequencies
 
 from .hf_reference import hf_llama, ours_from_hf, padded_batch, real_positions, tiny_cfg
 

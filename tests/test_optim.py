@@ -3,8 +3,8 @@
 import torch
 from torch import nn
 
-from llama_scratch.optim import MasterWeightAdamW
-from llama_scratch.train import TrainSettings, make_optimizer
+from llama_scratch.training.loop import TrainSettings, make_optimizer
+from llama_scratch.training.optim import MasterWeightAdamW
 
 KW = dict(lr=1e-3, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
 
@@ -86,9 +86,9 @@ def test_bfloat16_training_with_the_default_recipe_learns_like_float32():
 
     import torch.nn.functional as F
 
-    from llama_scratch.classifier import LlamaClassifier
-    from llama_scratch.config import LlamaConfig
-    from llama_scratch.model import Llama
+    from llama_scratch.model.classifier import LlamaClassifier
+    from llama_scratch.model.config import LlamaConfig
+    from llama_scratch.model.llama import Llama
 
     cfg = dataclasses.replace(LlamaConfig.from_name("tiny"), dim=64, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=16)
     ids = torch.randint(0, cfg.vocab_size, (8, 12), generator=torch.Generator().manual_seed(0))

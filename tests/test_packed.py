@@ -7,12 +7,13 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from llama_scratch import Llama, LlamaClassifier, LlamaConfig, prefix_cache
-from llama_scratch.batching import Split, forward, to_batch
-from llama_scratch.distributed import Dist
-from llama_scratch.lora import LoRASettings
-from llama_scratch.packing import pack, pack_ids
-from llama_scratch.prefix_cache import cache_splits, compute_frozen_states
+from llama_scratch import Llama, LlamaClassifier, LlamaConfig
+from llama_scratch.data.batching import Split, forward, to_batch
+from llama_scratch.model.lora import LoRASettings
+from llama_scratch.model.packing import pack, pack_ids
+from llama_scratch.parallel.distributed import Dist
+from llama_scratch.training import prefix_cache
+from llama_scratch.training.prefix_cache import cache_splits, compute_frozen_states
 
 CFG = LlamaConfig(
     vocab_size=97, dim=64, n_layers=3, n_heads=8, n_kv_heads=2, ffn_dim=96, max_seq_len=64, dtype=torch.float32

@@ -13,10 +13,10 @@ import torch.nn.functional as F
 
 from llama_scratch import Llama, LlamaClassifier, LlamaConfig
 from llama_scratch import finetune_classifier as command
-from llama_scratch.lora import LoRASettings
-from llama_scratch.plan import GiB, Recipe, count_parameters, plan_memory, with_margin
-from llama_scratch.plan_report import format_plan
-from llama_scratch.train import TrainSettings, make_optimizer
+from llama_scratch.model.lora import LoRASettings
+from llama_scratch.planning.memory import GiB, Recipe, count_parameters, plan_memory, with_margin
+from llama_scratch.planning.report import format_plan
+from llama_scratch.training.loop import TrainSettings, make_optimizer
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 import gpu_8b  # noqa: E402
@@ -266,7 +266,7 @@ def test_plan_without_a_gpu_plans_a_bfloat16_gpu_and_says_so(monkeypatch, capsys
 def test_plan_on_a_detected_gpu_follows_its_bfloat16_support(monkeypatch, capsys):
     """With a GPU, the plan is checked against its memory, and `--dtype auto` is what a run there would choose:
     bfloat16 where the GPU computes it natively (devices.choose_dtype), float32 on one that does not."""
-    from llama_scratch import plan_report
+    from llama_scratch.planning import report as plan_report
 
     monkeypatch.setattr(plan_report, "detect_gpu", lambda: ("NVIDIA H100 80GB HBM3", 80 * GiB))
     monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda including_emulation=True: True)
@@ -436,7 +436,7 @@ def test_several_gpus_reserve_room_for_nccl(capsys):
 def test_a_ddp_replica_that_cannot_fit_is_refused_naming_shard():
     """Under torchrun on GPUs, before anything loads: 70B's replica cannot fit 80 GiB, and the error names --shard
     and the fewest GPUs the sharded plan fits on; 8B with its last 2 blocks trained fits and passes."""
-    from llama_scratch.plan_report import PlanDoesNotFit, refuse_unfit_replica
+    from llama_scratch.planning.report import PlanDoesNotFit, refuse_unfit_replica
 
     r = Recipe(LlamaConfig.from_name("llama3-70b"), 4, 512, train_last=2, dtype=torch.bfloat16, world_size=8)
     with pytest.raises(PlanDoesNotFit, match=r"add --shard .*planned to fit from (\d+) GPUs"):
@@ -456,7 +456,7 @@ def test_sharded_shares_are_fsdp2s_padded_rows():
     from torch.distributed.fsdp import FSDPModule
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
-    from llama_scratch import sharding
+    from llama_scratch.parallel import sharding
 
     if dist.is_initialized():
         pytest.skip("a process group is already initialized in this process")
@@ -513,7 +513,7 @@ def test_sharded_plan_per_process_figures():
 def test_smallest_world_size_that_fits():
     """70B, every layer, checkpointing, 80 GiB GPUs: the fewest sharded processes that fit, in whole nodes of 8
     beyond 8 (of 4 when the recipe runs 4 a node); one node fewer does not fit. 8B on 8 fits with 2."""
-    from llama_scratch.plan_advice import smallest_world, world_sizes
+    from llama_scratch.planning.advice import smallest_world, world_sizes
 
     assert world_sizes()[:6] == [2, 4, 8, 16, 24, 32] and world_sizes(4)[:5] == [2, 4, 8, 12, 16]
     r = Recipe(LlamaConfig.from_name("llama3-70b"), 8, 512, None, dtype=torch.bfloat16, gradient_checkpointing=True)

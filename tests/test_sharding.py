@@ -14,9 +14,9 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from llama_scratch.config import LlamaConfig
-from llama_scratch.model import Llama
-from llama_scratch.weights import save_checkpoint
+from llama_scratch.checkpoints.weights import save_checkpoint
+from llama_scratch.model.config import LlamaConfig
+from llama_scratch.model.llama import Llama
 from tests.test_distributed import run_on_two_processes
 from tests.test_finetune import run_module
 
@@ -68,10 +68,10 @@ def test_two_sharded_processes_equal_one_process(checkpoint, small_csv, tmp_path
 LOAD_SCRIPT = """
 import dataclasses, sys, torch
 from pathlib import Path
-from llama_scratch import distributed, sharding
-from llama_scratch.classifier import LlamaClassifier
-from llama_scratch.config import LlamaConfig
-from llama_scratch.model import Llama
+from llama_scratch.parallel import distributed, sharding
+from llama_scratch.model.classifier import LlamaClassifier
+from llama_scratch.model.config import LlamaConfig
+from llama_scratch.model.llama import Llama
 
 def peak_rss() -> int:
     for line in Path("/proc/self/status").read_text().splitlines():
@@ -201,9 +201,9 @@ def test_bfloat16_sharded_run_steps_float32_masters(checkpoint, small_csv, tmp_p
 
 def test_a_sharded_point_from_another_number_of_processes_is_refused(tmp_path):
     """Resharding is not supported: a point saved by 2 processes, resumed by 4, is one clear error naming both."""
-    from llama_scratch import sharding
-    from llama_scratch.distributed import Dist
-    from llama_scratch.resume import ResumeError
+    from llama_scratch.checkpoints.resume import ResumeError
+    from llama_scratch.parallel import sharding
+    from llama_scratch.parallel.distributed import Dist
 
     point = tmp_path / "resume.sharded" / "point-00000001"
     point.mkdir(parents=True)
@@ -223,10 +223,10 @@ def test_a_sharded_point_from_another_number_of_processes_is_refused(tmp_path):
 FROZEN_PASS_SCRIPT = """
 import os
 import torch
-from llama_scratch import distributed, sharding
-from llama_scratch.classifier import LlamaClassifier
-from llama_scratch.prefix_cache import compute_frozen_states
-from llama_scratch.sources import load_model
+from llama_scratch.parallel import distributed, sharding
+from llama_scratch.model.classifier import LlamaClassifier
+from llama_scratch.training.prefix_cache import compute_frozen_states
+from llama_scratch.sources.resolve import load_model
 
 env, device = distributed.setup("cpu")
 # 9 texts in batches of 2: rank 0 takes 5 (3 batches), rank 1 takes 4 (2 batches, and a third only to take part in

@@ -11,8 +11,8 @@ from llama_models.datatypes import RawMessage
 from llama_models.llama3.chat_format import ChatFormat
 from llama_models.llama3.tokenizer import Tokenizer as MetaTokenizer
 
-from llama_scratch.bpe import LLAMA3_PATTERN, token_spelling
-from llama_scratch.tokenizer import (
+from llama_scratch.model.bpe import LLAMA3_PATTERN, token_spelling
+from llama_scratch.model.tokenizer import (
     MAX_CHUNK_CHARS,
     MAX_RUN_CHARS,
     Tokenizer,

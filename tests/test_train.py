@@ -5,9 +5,9 @@ import math
 import pytest
 import torch
 
-from llama_scratch.batching import Split
-from llama_scratch.distributed import Dist
-from llama_scratch.train import TrainSettings, check_enough_data, epoch_batches, lr_factor
+from llama_scratch.data.batching import Split
+from llama_scratch.parallel.distributed import Dist
+from llama_scratch.training.loop import TrainSettings, check_enough_data, epoch_batches, lr_factor
 
 
 def test_epoch_batches_are_seeded_and_shared_out_like_one_process():
@@ -43,7 +43,8 @@ def test_learning_rate_warms_up_then_decays_to_a_tenth():
 def test_an_interrupt_mid_step_then_resume_equals_one_run(tmp_path, monkeypatch):
     """Ctrl-C in the middle of an epoch (here, inside a step's gradient accumulation) and --resume give the same
     weights, history and token count as a run never interrupted: the half step is dropped and done again."""
-    from llama_scratch import Llama, LlamaClassifier, LlamaConfig, train
+    from llama_scratch import Llama, LlamaClassifier, LlamaConfig
+    from llama_scratch.training import loop as train
 
     ids = [[1 + (i * 7 + j) % 100 for j in range(4 + i % 5)] for i in range(24)]
     splits = {"train": Split(ids, [i % 2 for i in range(24)]), "val": Split(ids[:8], [0, 1] * 4)}
@@ -100,7 +101,7 @@ def host_reads(loop, split, monkeypatch) -> list[str]:
         m.setattr(loop.optimizer, "step", uncounted_step)
         for name in ("item", "tolist", "__bool__", "__int__", "__float__", "__index__"):
             m.setattr(torch.Tensor, name, counting(getattr(torch.Tensor, name), name))
-        from llama_scratch import train
+        from llama_scratch.training import loop as train
 
         assert train.train_epoch(loop, split, train.TrainState())
     return counted
@@ -111,7 +112,8 @@ def test_the_loop_reads_the_device_once_per_optimizer_step(monkeypatch):
     for the GPU. One epoch of 3 optimizer steps x 2 micro-batches, packed and right-padded: the loop reads once a
     step (the summed loss, counts and gradient norm) plus once an epoch (the shuffled order), nothing per
     micro-batch or in the forward."""
-    from llama_scratch import Llama, LlamaClassifier, LlamaConfig, train
+    from llama_scratch import Llama, LlamaClassifier, LlamaConfig
+    from llama_scratch.training import loop as train
 
     ids = [[1 + (i * 7 + j) % 100 for j in range(4 + i % 5)] for i in range(12)]
     split = Split(ids, [i % 2 for i in range(12)])

@@ -15,10 +15,13 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from llama_scratch import Llama, LlamaClassifier, LlamaConfig, classify, finetune_classifier, sources, train, weights
-from llama_scratch.batching import Split
-from llama_scratch.distributed import Dist
-from llama_scratch.resume import ResumeError
+from llama_scratch import Llama, LlamaClassifier, LlamaConfig, classify, finetune_classifier
+from llama_scratch.checkpoints import weights
+from llama_scratch.checkpoints.resume import ResumeError
+from llama_scratch.data.batching import Split
+from llama_scratch.parallel.distributed import Dist
+from llama_scratch.sources import resolve as sources
+from llama_scratch.training import loop as train
 
 from .test_finetune import args_for, resume_parts
 
@@ -202,7 +205,7 @@ def test_an_interrupt_while_the_best_weights_are_written_loses_nothing(tmp_path)
 
 
 def test_a_failed_resume_save_leaves_the_previous_point_and_no_temporary_file(tmp_path, monkeypatch):
-    from llama_scratch import resume
+    from llama_scratch.checkpoints import resume
 
     clf, opt, sched, s = resume_parts()
     path = tmp_path / "resume.safetensors"
@@ -247,7 +250,7 @@ def test_a_mistyped_local_path_is_not_downloaded(tmp_path, monkeypatch, capsys):
     def no_download(*args, **kwargs):
         raise AssertionError("a local path was taken for a repository id")
 
-    monkeypatch.setattr("llama_scratch.sources.fetch", no_download)
+    monkeypatch.setattr("llama_scratch.sources.resolve.fetch", no_download)
     for ref in ("runs/my-model", "./my-model", "../my-model", "weights/a/b"):
         with pytest.raises(FileNotFoundError, match="no such file or directory"):
             sources.load_model(ref)
@@ -266,9 +269,10 @@ DIVERGE_SCRIPT = textwrap.dedent(
     import torch
     import torch.nn.functional as F
 
-    from llama_scratch import Llama, LlamaClassifier, LlamaConfig, distributed
-    from llama_scratch.batching import Split
-    from llama_scratch.train import TrainingDiverged, TrainSettings, train
+    from llama_scratch import Llama, LlamaClassifier, LlamaConfig
+    from llama_scratch.parallel import distributed
+    from llama_scratch.data.batching import Split
+    from llama_scratch.training.loop import TrainingDiverged, TrainSettings, train
 
     env, device = distributed.setup("cpu")
     if env.rank == 1:  # from the third step on, rank 1's loss reads NaN while its gradients stay finite

@@ -12,11 +12,17 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
-from llama_scratch.checkpoint_files import TensorToWrite, hf_to_ours, ours_to_hf, tensors_to_write, write_safetensors
-from llama_scratch.config import LlamaConfig
-from llama_scratch.model import Llama
-from llama_scratch.sources import load_model
-from llama_scratch.weights import CheckpointError, load_weights, save_checkpoint, save_weights
+from llama_scratch.checkpoints.hf_layout import (
+    TensorToWrite,
+    hf_to_ours,
+    ours_to_hf,
+    tensors_to_write,
+    write_safetensors,
+)
+from llama_scratch.checkpoints.weights import CheckpointError, load_weights, save_checkpoint, save_weights
+from llama_scratch.model.config import LlamaConfig
+from llama_scratch.model.llama import Llama
+from llama_scratch.sources.resolve import load_model
 
 transformers = pytest.importorskip("transformers")
 
@@ -374,7 +380,7 @@ def test_save_weights_writes_tied_tensors_once(tmp_path):
 def test_download_offline_without_cache_explains(tmp_path, monkeypatch, capsys):
     import huggingface_hub.constants
 
-    from llama_scratch import download
+    from llama_scratch.sources import fetch as download
 
     monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
     monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(tmp_path / "cache"))
@@ -385,7 +391,7 @@ def test_download_offline_without_cache_explains(tmp_path, monkeypatch, capsys):
 
 
 def test_download_special_sources_dispatch(tmp_path, monkeypatch):
-    from llama_scratch import download
+    from llama_scratch.sources import fetch as download
 
     monkeypatch.setitem(download.SPECIAL_SOURCES, "toy-model", lambda out: out / "converted")
     assert download.fetch("toy-model", tmp_path) == tmp_path / "converted"
@@ -395,7 +401,7 @@ def test_download_special_sources_dispatch(tmp_path, monkeypatch):
 def test_download_gated_repo_explains_how_to_get_access(tmp_path, monkeypatch, capsys):
     from huggingface_hub.errors import GatedRepoError
 
-    from llama_scratch import download
+    from llama_scratch.sources import fetch as download
 
     def gated(repo_id, **kwargs):
         # built without __init__, whose signature (an HTTP response object) changes between huggingface_hub versions
@@ -413,8 +419,8 @@ def test_gpu_staging_alternates_two_buffers_and_waits_before_refilling_one():
     """The pinned double buffer of GPU loads, with its GPU parts stood in for (no GPU here): tensors go through the
     two buffers in turn, a buffer is refilled only after the event of its previous copy completed, and the bytes
     arrive intact in every dtype."""
-    from llama_scratch.checkpoint_files import TensorInfo
-    from llama_scratch.weights import Staging
+    from llama_scratch.checkpoints.hf_layout import TensorInfo
+    from llama_scratch.checkpoints.weights import Staging
 
     log = []
 

@@ -1,0 +1,133 @@
+"""Resume points: everything an interrupted run needs to continue exactly, in one safetensors file, no pickle.
+
+`torch.save` writes a pickle, and `torch.load` of a pickle can run any code the file's author chose: a run folder
+someone hands you must never be able to do that. So a resume point is a safetensors file (tensors only, with a
+plain-JSON header): the trained parameters, the optimizer's moments and the random-number state are tensors;
+the counters, settings and schedule go as JSON in the file's metadata. Reading it back parses JSON and copies
+bytes, nothing else. It holds only what training changes (the frozen backbone is reloaded from its checkpoint),
+each tensor written with just its own bytes.
+
+The file is written like every other (`atomic.write_atomic`: temporary name, fsync, rename), so a crash or a full
+disk mid-save leaves the previous resume point intact and no temporary file behind.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from safetensors import SafetensorError, safe_open
+from torch import nn
+
+from .hf_layout import tensors_to_write, write_safetensors
+from .weights import copy_named_tensors
+
+FORMAT = "llama_scratch resume point v1"
+
+# How a changed setting is named in the refusal: a command-line flag where there is one.
+_WHAT = {
+    "data_digest": "the data (texts or labels)",
+    "world_size": "the number of processes",
+    "label_names": "the label names",
+    "num_classes": "the number of classes",
+}
+
+
+class ResumeError(ValueError):
+    """A resume point that cannot be used: unreadable, from another version, or from a run with other settings."""
+
+
+def _encode(value, tensors: dict[str, torch.Tensor]):
+    """JSON for `value`, with each tensor replaced by a reference to an entry of `tensors` (filled here)."""
+    if isinstance(value, torch.Tensor):
+        if hasattr(value, "to_local"):  # a sharded tensor (sharding.py): this process saves its own rows
+            value = value.to_local().clone()
+        name = f"t{len(tensors)}"
+        tensors[name] = value.detach().cpu().contiguous()
+        return {"__tensor__": name}
+    if isinstance(value, tuple):
+        return {"__tuple__": [_encode(v, tensors) for v in value]}
+    if isinstance(value, list):
+        return [_encode(v, tensors) for v in value]
+    if isinstance(value, dict):
+        if all(isinstance(k, str) for k in value):
+            return {k: _encode(v, tensors) for k, v in value.items()}
+        if all(isinstance(k, int) for k in value):  # the optimizer numbers its parameters
+            return {"__int_keys__": {str(k): _encode(v, tensors) for k, v in value.items()}}
+    if value is None or isinstance(value, bool | int | float | str):
+        return value
+    raise TypeError(f"a resume point cannot hold a {type(value).__name__}")
+
+
+def _decode(value, tensors):
+    if isinstance(value, list):
+        return [_decode(v, tensors) for v in value]
+    if not isinstance(value, dict):
+        return value
+    if value.keys() == {"__tensor__"}:
+        return tensors.get_tensor(value["__tensor__"])
+    if value.keys() == {"__tuple__"}:
+        return tuple(_decode(v, tensors) for v in value["__tuple__"])
+    if value.keys() == {"__int_keys__"}:
+        return {int(k): _decode(v, tensors) for k, v in value["__int_keys__"].items()}
+    return {k: _decode(v, tensors) for k, v in value.items()}
+
+
+def write_point(path: Path, trained: dict[str, torch.Tensor], optimizer, scheduler, **plain) -> Path:
+    """Write trained parameters, optimizer and scheduler state, the RNG, and `plain` JSON values (state, settings,
+    identity) to `path`, atomically."""
+    tensors: dict[str, torch.Tensor] = {}
+    record = {
+        "format": FORMAT,
+        "trained": _encode(dict(trained), tensors),
+        "optimizer": _encode(optimizer.state_dict(), tensors),
+        "scheduler": _encode(scheduler.state_dict(), tensors),
+        "rng": _encode(torch.get_rng_state(), tensors),
+        # The GPU's own generator (dropout on CUDA draws from it), for the device this process computes on.
+        "cuda_rng": _encode(torch.cuda.get_rng_state(), tensors) if torch.cuda.is_initialized() else None,
+        **plain,
+    }
+    metadata = {"llama_scratch": json.dumps(record)}
+    return write_safetensors(path, tensors_to_write(tensors), metadata)
+
+
+def read_point(path: Path, tensors: bool = True) -> dict:
+    """The record `write_point` wrote, tensors included (or, with `tensors=False`, only its JSON: counters, settings
+    and identity, read from the header without touching the tensors' bytes). Never unpickles."""
+    try:
+        with safe_open(path, framework="pt") as f:
+            record = json.loads((f.metadata() or {}).get("llama_scratch", "null"))
+            if not isinstance(record, dict) or record.get("format") != FORMAT:
+                raise ResumeError(f"{path} is not a llama_scratch resume point ({FORMAT})")
+            return _decode(record, f) if tensors else record
+    except (SafetensorError, OSError, ValueError, KeyError, TypeError, AttributeError) as e:
+        raise ResumeError(f"{path} is not a readable resume point: {e}") from None
+
+
+def check_same_run(path: Path, saved: dict, now: dict) -> None:
+    """Refuse, naming each difference, when the run being resumed was started with other settings or data."""
+    changed = {k: (saved.get(k), v) for k, v in now.items() if saved.get(k) != v}
+    changed |= {k: (v, None) for k, v in saved.items() if k not in now}
+    if changed:
+        detail = "; ".join(
+            f"{_WHAT.get(k, '--' + k.replace('_', '-'))} was {a!r}, now {b!r}" for k, (a, b) in changed.items()
+        )
+        raise ResumeError(f"{path} belongs to a run with other settings ({detail}); resume with the same settings")
+
+
+def restore(record: dict, model: nn.Module, optimizer, scheduler, path: Path) -> None:
+    """Put the trained tensors, optimizer and scheduler state and the RNG back, after checking names and shapes."""
+    trained = [name for name, p in model.named_parameters() if p.requires_grad]
+    copy_named_tensors(model, record["trained"], str(path), required=trained)
+    try:
+        kernels = [{k: g.get(k) for k in ("fused", "foreach")} for g in optimizer.param_groups]
+        optimizer.load_state_dict(record["optimizer"])
+        for group, kernel in zip(optimizer.param_groups, kernels, strict=True):  # this run's kernel, not the saved
+            group.update(kernel)  # one's (a point from an older version would step one tensor at a time)
+        scheduler.load_state_dict(record["scheduler"])
+        torch.set_rng_state(record["rng"])
+        if record.get("cuda_rng") is not None and torch.cuda.is_available():
+            torch.cuda.set_rng_state(record["cuda_rng"])
+    except (ValueError, KeyError, TypeError, RuntimeError) as e:
+        raise ResumeError(f"{path}: the optimizer state does not fit this run: {e}") from None

@@ -1,0 +1,140 @@
+"""From texts to padded batches: token ids per text, one tensor per batch, batches of similar lengths.
+
+Rows keep their own lengths as lists until a batch is formed; `collate` pads a batch only to its own longest
+row, and `length_sorted_batches` groups rows of similar length so that little compute goes to padding.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import torch
+from torch import nn
+from tqdm import tqdm
+
+from ..model.packing import pack
+
+
+class Encoder(Protocol):
+    """What the data code needs from a tokenizer (our `Tokenizer`, or any object with these two members)."""
+
+    pad_id: int
+
+    def encode(self, text: str, bos: bool = True, eos: bool = False) -> list[int]: ...
+
+
+def encode_texts(
+    texts: Sequence[str], tokenizer: Encoder, max_length: int | None = None, progress: bool = False
+) -> tuple[list[list[int]], int]:
+    """Token ids with BOS (no EOS) per text, and how many were truncated.
+
+    Truncation keeps the first `max_length` tokens (BOS included) and drops the end: the classifier then reads
+    the last kept token, so the model never sees the tail. `max_length=None` keeps everything.
+    """
+    if max_length is not None and max_length < 1:
+        raise ValueError(f"max_length must be at least 1, got {max_length}")
+    ids = [tokenizer.encode(t, bos=True, eos=False) for t in tqdm(texts, "tokenizing", disable=not progress)]
+    if max_length is None:
+        return ids, 0
+    return [x[:max_length] for x in ids], sum(len(x) > max_length for x in ids)
+
+
+def default_max_length(token_lists: Sequence[Sequence[int]], model_max: int) -> int:
+    """Long enough for the longest row, capped by the model's context (batches pad only to their own longest)."""
+    if not token_lists:
+        raise ValueError("no token lists to measure")
+    return min(max(len(x) for x in token_lists), model_max)
+
+
+def collate(
+    batch: Sequence[tuple[Sequence[int], int]], pad_id: int, padding_side: str = "right"
+) -> dict[str, torch.Tensor]:
+    """Pad to the batch's longest row: `input_ids` [B, T], `attention_mask` [B, T] (1 = real), `labels` [B].
+
+    `pad_id` must be a real token id (the embedding still looks padded positions up; the mask hides them).
+    """
+    if padding_side not in ("right", "left"):
+        raise ValueError(f"padding_side must be 'right' or 'left', got {padding_side!r}")
+    if pad_id is None or pad_id < 0:
+        raise ValueError(f"pad_id must be a valid token id, got {pad_id!r}")
+    longest = max(len(ids) for ids, _ in batch)
+    input_ids = torch.full((len(batch), longest), pad_id, dtype=torch.long)
+    attention_mask = torch.zeros((len(batch), longest), dtype=torch.long)
+    for row, (ids, _) in enumerate(batch):
+        span = slice(0, len(ids)) if padding_side == "right" else slice(longest - len(ids), longest)
+        input_ids[row, span] = torch.as_tensor(ids, dtype=torch.long)
+        attention_mask[row, span] = 1
+    labels = torch.tensor([label for _, label in batch], dtype=torch.long)
+    return {"input_ids": input_ids, "attention_mask": attention_mask, "labels": labels}
+
+
+def length_sorted_batches(
+    lengths: Sequence[int], batch_size: int, rank: int = 0, world_size: int = 1
+) -> list[list[int]]:
+    """Row indices sorted by length and cut into batches, for passes where order does not matter (evaluation,
+    prediction, caching). With several processes each takes every `world_size`-th row: every row exactly once.
+    """
+    rows = sorted(range(len(lengths)), key=lengths.__getitem__)[rank::world_size]
+    return [rows[i : i + batch_size] for i in range(0, len(rows), batch_size)]
+
+
+@dataclass
+class Split:
+    """A tokenized split: token-id lists and class ids, and optionally each text's frozen-prefix output."""
+
+    ids: list[list[int]]
+    labels: list[int]
+    states: list[torch.Tensor] | None = None  # see prefix_cache: then the model runs only its trained blocks
+    pad_id: int = 0  # the token that fills padded positions (masked out or after the text: any valid id works)
+
+
+def pad_states(states: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Right-pad [length, dim] tensors into a [B, T, dim] batch and its 1/0 attention mask."""
+    longest = max(s.shape[0] for s in states)
+    batch = states[0].new_zeros(len(states), longest, states[0].shape[1])
+    mask = torch.zeros(len(states), longest, dtype=torch.long, device=states[0].device)
+    for row, s in enumerate(states):
+        batch[row, : s.shape[0]] = s
+        mask[row, : s.shape[0]] = 1
+    return batch, mask
+
+
+def to_batch(split: Split, rows: list[int], side: str, device: torch.device) -> dict[str, Any]:
+    """A batch of these rows: `input_ids` or (with a cache) `frozen_states`, and `labels`; then either `packed`
+    (side "packed": the texts one after another, no padding, see packing.py) or `attention_mask` and
+    `padding_side` (side "right" or "left"). Decided here, on the host, so the forward never has to look.
+    """
+    labels = torch.tensor([split.labels[i] for i in rows]).to(device, non_blocking=True)
+    if side == "packed":
+        layout = pack([len(split.ids[i]) for i in rows], device)
+        if split.states is not None:
+            return {
+                "frozen_states": torch.cat([split.states[i] for i in rows])[None],
+                "packed": layout,
+                "labels": labels,
+            }
+        ids = torch.tensor([t for i in rows for t in split.ids[i]]).to(device, non_blocking=True)
+        return {"input_ids": ids[None], "packed": layout, "labels": labels}
+    if split.states is not None:
+        states, mask = pad_states([split.states[i] for i in rows])
+        return {
+            "frozen_states": states.to(device),
+            "attention_mask": mask.to(device),
+            "labels": labels,
+            "padding_side": "right",
+        }
+    batch = collate([(split.ids[i], split.labels[i]) for i in rows], split.pad_id, side)
+    return {k: v.to(device, non_blocking=True) for k, v in batch.items()} | {"padding_side": side}
+
+
+def forward(model: nn.Module, batch: dict[str, Any]) -> torch.Tensor:
+    """The model's logits for a batch of `to_batch`, whichever its layout."""
+    return model(
+        batch.get("input_ids"),
+        batch.get("attention_mask"),
+        frozen_states=batch.get("frozen_states"),
+        packed=batch.get("packed"),
+        padding_side=batch.get("padding_side"),
+    )

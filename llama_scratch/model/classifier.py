@@ -1,0 +1,160 @@
+"""A Llama backbone with a classification head: the vector of each text's last real token predicts its class."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from .llama import Llama
+from .lora import LoRASettings, add_lora, lora_layers
+from .packing import Packed
+
+
+def trained_blocks(n_layers: int, train_last: int | None) -> range:
+    """Indices of the blocks that `train_last` trains: the last `train_last` of `n_layers` (None: all). The one
+    place this is decided; the classifier, the frozen-prefix cache and the memory plan all ask here."""
+    if train_last is not None and not 0 <= train_last <= n_layers:
+        raise ValueError(f"train_last must be between 0 and {n_layers} (the number of blocks), got {train_last}")
+    return range(0 if train_last is None else n_layers - train_last, n_layers)
+
+
+def last_real_positions(attention_mask: torch.Tensor | None, batch: int, seq_len: int, device) -> torch.Tensor:
+    """[B] index of each row's last real token, whichever side the padding is on.
+
+    In a causal model only the last token has read the whole text, so it is the one that can summarise it.
+    """
+    if attention_mask is None:
+        return torch.full((batch,), seq_len - 1, device=device)
+    positions = torch.arange(seq_len, device=device)
+    return (attention_mask.to(device).long() * positions).argmax(-1)  # the largest position whose mask is 1
+
+
+def last_real_token(hidden: torch.Tensor, attention_mask: torch.Tensor | None) -> torch.Tensor:
+    """[B, T, dim] -> [B, dim]: the vector at each row's last real position."""
+    last = last_real_positions(attention_mask, hidden.shape[0], hidden.shape[1], hidden.device)
+    return hidden[torch.arange(hidden.shape[0], device=hidden.device), last]
+
+
+def new_head(dim: int, num_classes: int, dtype: torch.dtype, device: torch.device | str) -> nn.Linear:
+    """The head, small normal weights (std 0.02). The one place it is drawn: a sharded run draws it on the CPU
+    and keeps its rows (sharding.fresh_values), from the same generator in the same order as a single process."""
+    head = nn.Linear(dim, num_classes, bias=False, dtype=dtype, device=device)
+    if not head.weight.is_meta:
+        nn.init.normal_(head.weight, std=0.02)
+    return head
+
+
+class LlamaClassifier(nn.Module):
+    """`Llama` + `head`, a linear map from the model width to `num_classes` scores.
+
+    Build it after the backbone's weights are loaded: the head is created on the backbone's device and in its
+    dtype (a float32 head on a bfloat16 backbone fails at the first matmul). `train_last=k` trains the head, the
+    final norm and the last k blocks; `None` trains everything. With `lora`, those k blocks (None: every block)
+    get LoRA adapters instead, and only the adapters train in them (lora.py): their weights and norms stay frozen,
+    as does the embedding. The language-model output projection is never used here, so it is always frozen.
+    """
+
+    def __init__(
+        self, backbone: Llama, num_classes: int = 2, train_last: int | None = 2, lora: LoRASettings | None = None
+    ):
+        super().__init__()
+        if num_classes < 2:
+            raise ValueError(f"num_classes must be at least 2, got {num_classes}")
+        self.backbone = backbone
+        like = backbone.final_norm.weight
+        self.head = new_head(backbone.cfg.dim, num_classes, like.dtype, like.device)
+        self.lora, self.lora_blocks = lora, []
+        if lora is not None:  # the adapters are placed once, in the blocks that train
+            self.lora_blocks = add_lora(backbone, lora, blocks=self.trained_blocks(train_last))
+        self.train_last = train_last
+        self.set_trainable(train_last)
+
+    def trained_blocks(self, train_last: int | None) -> range:
+        return trained_blocks(len(self.backbone.blocks), train_last)
+
+    @property
+    def frozen_blocks(self) -> int:
+        """How many bottom blocks never change (0 when everything, the embedding included, trains): what the
+        frozen-prefix cache may run once."""
+        return self.trained_blocks(self.train_last).start
+
+    def set_trainable(self, train_last: int | None) -> None:
+        """Freeze everything, then unfreeze the head, the final norm and the last `train_last` blocks (None: all),
+        or, with LoRA, their adapters only (which sit in the blocks chosen when the classifier was built)."""
+        blocks = self.trained_blocks(train_last)
+        if self.lora is not None and train_last != self.train_last:
+            raise ValueError("the LoRA adapters were placed when the classifier was built: build a new one")
+        everything = train_last is None and self.lora is None
+        self.requires_grad_(everything)
+        if self.lora is not None:
+            for layer in lora_layers(self.backbone):
+                layer.lora_a.requires_grad_(True)
+                layer.lora_b.requires_grad_(True)
+        elif not everything:
+            for i in blocks:
+                self.backbone.blocks[i].requires_grad_(True)
+        self.backbone.final_norm.requires_grad_(True)
+        self.head.requires_grad_(True)
+        if not self.backbone.cfg.tie_embeddings:
+            self.backbone.lm_head.requires_grad_(False)
+        self.train_last = train_last
+
+    def trainable_parameters(self) -> dict[str, nn.Parameter]:
+        """Name -> parameter for everything that trains: what the optimizer steps and the checkpoint saves."""
+        return {name: p for name, p in self.named_parameters() if p.requires_grad}
+
+    def frozen_prefix(
+        self,
+        input_ids: torch.Tensor,
+        attention_mask: torch.Tensor | None = None,
+        *,
+        packed: Packed | None = None,
+        padding_side: str | None = None,
+    ) -> torch.Tensor:
+        """The residual stream after the frozen blocks (embedding, then blocks 0..frozen_blocks-1), as `forward`
+        takes it back in `frozen_states`: [B, T, dim], or [1, N, dim] packed.
+
+        A method of the classifier, not of its backbone, so that a sharded classifier runs it as it runs `forward`
+        (sharding.shard_model registers it with FSDP2): through the root module, whose hooks gather its own
+        parameters (a tied embedding among them) and set FSDP up on first use, which a block run first would claim.
+        """
+        backbone = self.backbone
+        x = backbone.embed_tokens(input_ids)
+        return backbone.run_blocks(x, attention_mask, stop=self.frozen_blocks, packed=packed, padding_side=padding_side)
+
+    def forward(
+        self,
+        input_ids: torch.Tensor | None,
+        attention_mask: torch.Tensor | None = None,
+        frozen_states: torch.Tensor | None = None,
+        *,
+        packed: Packed | None = None,
+        padding_side: str | None = None,
+    ) -> torch.Tensor:
+        """[B, T] token ids and 1/0 mask -> [B, num_classes] class scores (logits).
+
+        `frozen_states` [B, T, dim] replaces `input_ids` with the output of the frozen blocks, computed once
+        beforehand (see `prefix_cache`), so that only the trained blocks run. With `packed`, the B texts come
+        packed without padding (packing.py): `input_ids` [1, N] or `frozen_states` [1, N, dim], no mask.
+        `padding_side`, when the batch's builder knows it, spares the model looking at the mask to find out.
+        """
+        backbone = self.backbone
+        x = backbone.embed_tokens(input_ids) if frozen_states is None else frozen_states
+        start = 0 if frozen_states is None else self.frozen_blocks  # frozen states: the trained blocks only
+        # The head reads one vector per text, so the last block runs only at each text's last real token: its
+        # query, attention output, feed-forward and all after run once per text instead of once per token (its
+        # keys and values still come from every position). With train_last=1 that is most of the work.
+        if packed is not None:
+            pooled = backbone.run_blocks(x, start=start, query_rows=packed.last, packed=packed)[0]  # [B, dim]
+        else:
+            last = last_real_positions(attention_mask, x.shape[0], x.shape[1], x.device)
+            # Rows that all end at the last position need no mask there (the fastest kernel). Only a caller that did
+            # not say how it padded pays a look at the device tensor (a host sync) to find out.
+            if attention_mask is None or (padding_side is None and bool((last == x.shape[1] - 1).all())):
+                rows: torch.Tensor | slice = slice(-1, None)
+            else:
+                rows = last[:, None]
+            pooled = backbone.run_blocks(x, attention_mask, start=start, query_rows=rows, padding_side=padding_side)[
+                :, 0
+            ]
+        return self.head(backbone.final_norm(pooled))

@@ -1,0 +1,68 @@
+"""How many parameters a classifier holds and trains, counted on the meta device: no memory is allocated, so
+Llama-3-70B is counted as fast as the tiny preset. The memory plan (planning/), the default model's choice and the
+dtype's choice (sources/) all count through here."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .classifier import LlamaClassifier
+from .config import LlamaConfig
+from .llama import Llama
+from .lora import LoRASettings
+
+
+@dataclass(frozen=True)
+class ParamCounts:
+    """Parameter counts of the classifier (tied weights once), from the model on the meta device."""
+
+    total: int  # backbone + adapters + head
+    backbone: int  # the base model's own parameters
+    head: int
+    trainable: int
+    block: int  # one transformer block (without adapters)
+    block_trained: int  # of a trained block: all of it, or its adapters only
+    down_trained: int  # of a trained block's down projection (its first gradient in backward)
+    embedding: int
+    largest_trainable: int  # elements of the largest trainable tensor
+    buffer_bytes: int  # the rotary tables (float32, not in the checkpoint)
+
+
+def count_parameters(
+    cfg: LlamaConfig,
+    train_last: int | None = 1,
+    num_classes: int = 2,
+    lora: LoRASettings | None = None,
+    shards: int = 1,
+) -> ParamCounts:
+    """Build the classifier on the meta device (no memory) and count what it holds and what trains.
+
+    `shards` > 1: what one of that many processes holds under FSDP2, which cuts every parameter, frozen ones too, by
+    rows: ceil(rows / shards) rows each, the last processes' shares padded to that size. Then `total`, `trainable`,
+    `head`, `block_trained`, `down_trained` and `largest_trainable` are one process's share; `backbone`, `block` and
+    `embedding` stay whole (what is gathered to compute a block or the embedding)."""
+    with torch.device("meta"):
+        clf = LlamaClassifier(Llama(cfg), num_classes=num_classes, train_last=train_last, lora=lora)
+
+    def numel(p: torch.Tensor) -> int:
+        if shards == 1 or p.ndim == 0:
+            return p.numel()
+        return -(-p.shape[0] // shards) * (p.numel() // p.shape[0])
+
+    trainable = list(clf.trainable_parameters().values())
+    base = {n: p for n, p in clf.backbone.named_parameters() if not n.endswith(("lora_a", "lora_b"))}
+    top = clf.backbone.blocks[-1]
+    return ParamCounts(
+        total=sum(numel(p) for p in clf.parameters()),
+        backbone=sum(p.numel() for p in base.values()),
+        head=numel(clf.head.weight),
+        trainable=sum(numel(p) for p in trainable),
+        block=sum(p.numel() for n, p in base.items() if n.startswith(f"blocks.{cfg.n_layers - 1}.")),
+        block_trained=sum(numel(p) for p in top.parameters() if p.requires_grad),
+        down_trained=sum(numel(p) for p in top.ffn.down_proj.parameters() if p.requires_grad),
+        embedding=clf.backbone.embed_tokens.weight.numel(),
+        largest_trainable=max((numel(p) for p in trainable), default=0),
+        buffer_bytes=sum(b.numel() * b.element_size() for b in clf.backbone.buffers()),
+    )

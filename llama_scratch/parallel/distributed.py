@@ -1,0 +1,232 @@
+"""Several processes, one model replica each: what torchrun sets up and what the training loop needs from it.
+
+`torchrun --nproc_per_node N` starts N copies of the same command with RANK, LOCAL_RANK and WORLD_SIZE set.
+Each copy trains on its own shard of every batch; DistributedDataParallel averages the gradients, so all
+replicas take the same step. A single process (WORLD_SIZE unset) runs the same code with world size 1.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import inspect
+import os
+from dataclasses import dataclass
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
+
+from ..sources.devices import DeviceError, resolve_device
+
+COLLECTIVE_TIMEOUT = timedelta(hours=2)
+
+
+@dataclass(frozen=True)
+class Dist:
+    rank: int = 0
+    local_rank: int = 0
+    world_size: int = 1
+
+    @property
+    def enabled(self) -> bool:
+        return self.world_size > 1
+
+    @property
+    def is_main(self) -> bool:
+        """Rank 0 alone prints, draws progress bars and writes files."""
+        return self.rank == 0
+
+
+def setup(device: str | None = None) -> tuple[Dist, torch.device]:
+    """Join the process group when started by torchrun, and choose this process's device.
+
+    GPUs: one per process (see `process_device`) and the nccl backend. CPU: the gloo backend.
+    """
+    env = Dist(
+        rank=int(os.environ.get("RANK", 0)),
+        local_rank=int(os.environ.get("LOCAL_RANK", 0)),
+        world_size=int(os.environ.get("WORLD_SIZE", 1)),
+    )
+    dev = process_device(device, env, torch.cuda.device_count() if torch.cuda.is_available() else 0)
+    if dev.type == "cuda":
+        torch.cuda.set_device(dev)
+    if env.enabled and not dist.is_initialized():
+        backend = "nccl" if dev.type == "cuda" else "gloo"
+        # Other ranks wait while rank 0 alone downloads a checkpoint or writes a resume point (all of an 8B model's
+        # optimizer state is tens of GB): allow that far longer than torch's default of 10 minutes.
+        dist.init_process_group(backend, device_id=dev if dev.type == "cuda" else None, timeout=COLLECTIVE_TIMEOUT)
+    return env, dev
+
+
+def process_device(requested: str | None, env: Dist, gpus: int) -> torch.device:
+    """This process's device. Alone: what was asked (`auto`: a GPU if any). Under torchrun each process takes one
+    of the GPUs it sees: local rank modulo their count, so that a launcher which shows each process only its own
+    GPU (Slurm's --gpus-per-task: CUDA_VISIBLE_DEVICES of one) gives cuda:0, not an invalid cuda:LOCAL_RANK.
+    Naming one GPU (`cuda:N`) under torchrun is refused: every process would take the same one."""
+    if not env.enabled:
+        dev = resolve_device(requested)
+        return torch.device("cuda", torch.cuda.current_device()) if dev.type == "cuda" and dev.index is None else dev
+    if requested not in (None, "auto", "cpu", "cuda"):
+        raise DeviceError(
+            f"--device {requested} under torchrun: each process takes the GPU of its local rank; pass --device cuda "
+            "(or auto), and choose the GPUs with CUDA_VISIBLE_DEVICES"
+        )
+    if requested == "cpu" or gpus == 0:
+        if requested == "cuda":
+            raise DeviceError("--device cuda: no CUDA GPU is visible; use --device cpu")
+        return torch.device("cpu")
+    return torch.device("cuda", env.local_rank % gpus)
+
+
+def teardown() -> None:
+    """Leave the process group (no barrier: after an error the other ranks may never arrive)."""
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def wrap(model: nn.Module, env: Dist, device: torch.device) -> nn.Module:
+    """DistributedDataParallel when there are several processes; the model itself otherwise.
+
+    DDP all-reduces gradients in flat buckets. `gradient_as_bucket_view` makes each parameter's `.grad` a view into
+    its bucket, so the gradients exist once, not twice (for all of Llama-3-8B in bfloat16 that is 15 GiB per GPU).
+    The views survive only if the gradients are zeroed rather than deleted between steps (see `train`).
+    """
+    if not env.enabled:
+        return model
+    # Gradients that exist when DDP is built become views of its buckets at once. Left to the first backward, the
+    # first step's gradients (all of them, under --grad-accum, where that backward skips the all-reduce) are plain
+    # tensors beside the already-allocated buckets: twice the gradient memory until the first synced step.
+    for p in model.parameters():
+        if p.requires_grad and p.grad is None:
+            p.grad = torch.zeros_like(p)
+    device_ids = [device.index] if device.type == "cuda" else None
+    # The only buffers are the rotary tables, computed identically everywhere: nothing to broadcast each step
+    # (newer torch names the switch forward_sync_buffers, older versions broadcast_buffers).
+    accepted = inspect.signature(DistributedDataParallel).parameters
+    no_buffer_sync = {"forward_sync_buffers" if "forward_sync_buffers" in accepted else "broadcast_buffers": False}
+    return DistributedDataParallel(model, device_ids=device_ids, gradient_as_bucket_view=True, **no_buffer_sync)
+
+
+def is_replicated(model: nn.Module) -> bool:
+    """Wrapped in DDP: every process holds the whole model, gradients live in DDP's all-reduce buckets."""
+    return isinstance(model, DistributedDataParallel)
+
+
+@contextlib.contextmanager
+def gradient_sync(model: nn.Module, sync: bool):
+    """Gradients combined across processes after this backward (`sync`), or only accumulated locally: the
+    micro-batches of a step before its last. DDP: `no_sync`. FSDP2 (sharding.py): the unsharded gradients are
+    kept and reduce-scattered after the last one. One process: nothing to combine."""
+    if sync or not dist.is_initialized():
+        yield
+    elif is_replicated(model):
+        with model.no_sync():
+            yield
+    else:
+        model.set_requires_gradient_sync(False)
+        try:
+            yield
+        finally:
+            model.set_requires_gradient_sync(True)
+
+
+def unwrap(model: nn.Module) -> nn.Module:
+    return model.module if isinstance(model, DistributedDataParallel) else model
+
+
+def all_sum(values: torch.Tensor) -> torch.Tensor:
+    """Element-wise sum over all processes (identity in a single process)."""
+    if dist.is_initialized():
+        values = values.clone()
+        dist.all_reduce(values, op=dist.ReduceOp.SUM)
+    return values
+
+
+def gather_objects(value) -> list:
+    """Every process's `value` (any picklable object), in rank order, on every process."""
+    if not dist.is_initialized():
+        return [value]
+    everyone: list = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, value)
+    return everyone
+
+
+def on_each_node(make, env: Dist):
+    """`make()` (say, fetching the model) run by rank 0 first, then by the first process of every other node: on a
+    shared disk they find rank 0's result, on their own disks they make their own. Every process gets its node's
+    answer (torchrun numbers the processes of a node consecutively, so its first is rank - local_rank), or raises
+    its node's error: a process that failed alone would leave the others waiting in a collective for hours."""
+
+    def attempt(go: bool) -> tuple:
+        try:
+            return (make(), None) if go else (None, None)
+        except Exception as e:  # handed to every process, raised by each
+            return None, e
+
+    result, error = attempt(env.is_main)
+    if not env.enabled:
+        if error is not None:
+            raise error
+        return result
+    _, first_error = broadcast_object((None, error))
+    if first_error is not None:
+        raise first_error
+    if not env.is_main:
+        result, error = attempt(env.local_rank == 0)
+    result, error = gather_objects((result, error))[env.rank - env.local_rank]
+    if error is not None:
+        raise error
+    return result
+
+
+def smallest(value: int) -> int:
+    """The smallest of every process's `value`, on every process: for a decision all must take alike (say, whether
+    there is memory to spare), since a process that decides otherwise would wait in a collective the others skip."""
+    return min(gather_objects(value))
+
+
+def barrier() -> None:
+    if dist.is_initialized():
+        dist.barrier()
+
+
+def all_gather_rows(
+    indices: list[int], rows: list[torch.Tensor], width: int, dtype: torch.dtype, device: torch.device
+) -> dict[int, torch.Tensor]:
+    """Every process's `rows` ([length, width] tensors, lengths free) by their `indices`, on every process.
+
+    One collective moves them all: each process packs its rows end to end, pads the pack to the longest
+    process's, and all-gathers the packs; the rows come back as views into the gathered packs. While it runs,
+    a process holds its own rows and pack besides everyone's packs: about (1 + 2 / processes) x the result.
+    """
+    lengths = [r.shape[0] for r in rows]
+    everyone = gather_objects((indices, lengths))
+    pack = torch.zeros(max(sum(n) for _, n in everyone), width, dtype=dtype, device=device)
+    if rows:
+        pack[: sum(lengths)] = torch.cat(rows)
+    packs = [torch.empty_like(pack) for _ in everyone]
+    dist.all_gather(packs, pack)
+    out = {}
+    for (their_indices, their_lengths), their_pack in zip(everyone, packs, strict=True):
+        pieces = their_pack[: sum(their_lengths)].split(their_lengths)
+        out.update(zip(their_indices, pieces, strict=True))
+    return out
+
+
+def broadcast_object(obj):
+    """Rank 0's value of a picklable object, on every rank (e.g. a path decided on rank 0)."""
+    if not dist.is_initialized():
+        return obj
+    box = [obj]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
+def broadcast_parameters(params: list[torch.Tensor]) -> None:
+    """Rank 0's values of these tensors, copied into every process's (the same shapes everywhere): how the best
+    weights reach the other processes without a shared filesystem."""
+    if dist.is_initialized():
+        for p in params:
+            dist.broadcast(p.data, src=0)

@@ -1,0 +1,407 @@
+"""Sharded training (FSDP2, `--shard`): each of N processes holds 1/N of every parameter, gradient and optimizer
+moment, so a model N times larger than one GPU can train.
+
+DistributedDataParallel (distributed.py) keeps a whole replica in every process. FSDP2 (`fully_shard`) keeps
+only rows: parameter p of shape [n, ...] becomes a DTensor whose local part on process r is rows
+[r * ceil(n / N), (r + 1) * ceil(n / N)) (the last process may hold fewer, or none). Around each block's forward
+and backward it all-gathers the block's full parameters, runs it, and frees them again; after backward it
+reduce-scatters the gradients, so each process keeps the gradient rows of its own parameter rows. The optimizer
+steps local rows only. At any moment a process holds its shards plus one or two blocks in full.
+
+This module shards a classifier, loads a checkpoint straight into the shards (each process reads only its own
+rows of each tensor from the files), and moves tensors between the sharded and the full form one at a time:
+to save the trained parameters on rank 0, to read the best weights back, and to resume.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import json
+import math
+import re
+import shutil
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import torch
+import torch.distributed as dist
+from safetensors import safe_open
+from torch import nn
+from tqdm.auto import tqdm
+
+from ..checkpoints.atomic import write_text_atomic
+from ..checkpoints.hf_layout import (
+    TensorInfo,
+    TensorToWrite,
+    find_checkpoint_files,
+    read_into,
+    write_safetensors,
+)
+from ..checkpoints.resume import ResumeError
+from ..checkpoints.weights import CheckpointError, LoadReport, match_tensors
+from ..model.classifier import LlamaClassifier, new_head
+from ..model.config import LlamaConfig
+from ..model.llama import Llama
+from ..model.lora import LoRASettings, lora_layers, new_adapters
+from ..sources.resolve import load_model, trains_from_scratch
+from . import distributed
+from .distributed import Dist
+
+if TYPE_CHECKING:
+    from torch.distributed.device_mesh import DeviceMesh
+
+# torch.distributed.fsdp and torch.distributed.tensor are imported where they are used: together they add about a
+# second to every command's start, which runs that shard nothing need not pay (is_dtensor).
+
+
+def is_dtensor(t) -> bool:
+    """Whether `t` is sharded (a DTensor). Nothing is one unless the distributed-tensor package was imported."""
+    module = sys.modules.get("torch.distributed.tensor")
+    return module is not None and isinstance(t, module.DTensor)
+
+
+def make_mesh(env: Dist, device: torch.device, shard_group: int | None = None) -> DeviceMesh:
+    """The processes as a device mesh: one dimension ("shard") of all N, or with `shard_group` G a 2-D mesh of
+    N / G replicas x G shards (hybrid sharding: shards within a node of G GPUs over its fast links, replicas across
+    nodes, whose links only carry the gradient all-reduce)."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    if shard_group is None or shard_group == env.world_size:
+        return init_device_mesh(device.type, (env.world_size,), mesh_dim_names=("shard",))
+    if shard_group < 1 or env.world_size % shard_group:
+        raise ValueError(f"--shard-group {shard_group} must divide the number of processes ({env.world_size})")
+    shape = (env.world_size // shard_group, shard_group)
+    return init_device_mesh(device.type, shape, mesh_dim_names=("replicate", "shard"))
+
+
+def shard_model(clf: LlamaClassifier, mesh: DeviceMesh, reduce_dtype: torch.dtype = torch.float32) -> None:
+    """`fully_shard` every block and the embedding, then the root (final norm, head): each group's parameters are
+    gathered for its own forward and backward only.
+
+    Mixed precision: parameters stay in the dtype they were loaded in (bfloat16 on a GPU) and compute in it; the
+    gradients are reduced in `reduce_dtype` (float32: a sum of N bfloat16 gradients would lose the small ones),
+    then kept in the parameter's dtype, where the optimizer's float32 masters (optim.py) pick them up.
+    """
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard, register_fsdp_forward_method
+
+    policy = MixedPrecisionPolicy(param_dtype=None, reduce_dtype=reduce_dtype)
+    backbone = clf.backbone
+    # Untied, the embedding goes on its own, so that it is gathered only around its own forward and backward, and so
+    # does the unused next-token projection: never called, never gathered. Tied, they are one parameter, which must
+    # stay in one group (the root).
+    untied = [] if backbone.cfg.tie_embeddings else [backbone.embed_tokens, backbone.lm_head]
+    groups = [*backbone.blocks, *untied]
+    for module in groups:
+        fully_shard(module, mesh=mesh, mp_policy=policy)
+    fully_shard(clf, mesh=mesh, mp_policy=policy)  # the rest: final norm and head
+    # The frozen-prefix pass (prefix_cache) enters through this method instead of forward: the same hooks.
+    register_fsdp_forward_method(clf, "frozen_prefix")
+
+
+def sharded_classifier(ref: str, dtype: torch.dtype, num_classes: int, train_last: int | None,
+                       lora: LoRASettings | None, mesh: DeviceMesh, device: torch.device,
+                       progress: bool) -> LlamaClassifier:  # fmt: skip
+    """The classifier built on the meta device, sharded, then filled: from a checkpoint, each process reads only its
+    rows (`load_sharded`); a preset's random weights are drawn whole on each process (the same draw everywhere,
+    as one process draws them: a preset is small or a test) and cut to its rows by `fully_shard`."""
+    if trains_from_scratch(ref):
+        clf = LlamaClassifier(load_model(ref, device, dtype), num_classes, train_last, lora)
+        shard_model(clf, mesh)
+        return clf
+    cfg = dataclasses.replace(LlamaConfig.from_hf(ref), dtype=dtype)
+    with torch.device("meta"):
+        clf = LlamaClassifier(Llama(cfg), num_classes, train_last, lora)
+    fresh = fresh_values(clf)
+    shard_model(clf, mesh)
+    load_sharded(clf, ref, device, fresh, progress)
+    return clf
+
+
+def reshard(model: nn.Module) -> None:
+    """Free every gathered parameter, leaving each process its rows. Needed after a forward without backward
+    (evaluation): FSDP2 keeps the root's parameters gathered after its forward, for the backward it expects, and
+    meanwhile `named_parameters` lists those whole tensors instead of the shards."""
+    if not is_sharded(model):  # nothing to free, and no need to import FSDP
+        return
+    from torch.distributed.fsdp import FSDPModule
+
+    for m in model.modules():
+        if isinstance(m, FSDPModule):
+            m.reshard()
+
+
+def is_sharded(model: nn.Module) -> bool:
+    return any(is_dtensor(p) for p in model.parameters())
+
+
+def batches_to_match(model: nn.Module, mine: int) -> int:
+    """How many batches this process must run beyond its own `mine` so that every process runs as many forwards:
+    sharded, each block's forward gathers the block from every process, so one that stopped early would leave the
+    others waiting (evaluation, the frozen-prefix pass). 0 unsharded: DDP's forwards involve no other process."""
+    if not is_sharded(model):
+        return 0
+    return max(distributed.gather_objects(mine)) - mine
+
+
+def local_rows(t: torch.Tensor) -> tuple[int, int]:
+    """The rows [start, stop) of the full tensor that this process holds (all of them for a plain tensor)."""
+    n = t.shape[0]
+    if not is_dtensor(t):
+        return 0, n
+    from torch.distributed.tensor import Shard
+
+    start, stop = 0, n
+    for dim, placement in enumerate(t.placements):
+        if isinstance(placement, Shard):
+            if placement.dim != 0:
+                raise ValueError(f"only row sharding is supported, got {t.placements}")
+            size = math.ceil((stop - start) / t.device_mesh.size(dim))
+            start = min(start + t.device_mesh.get_local_rank(dim) * size, stop)
+            stop = min(start + size, stop)
+    return start, stop
+
+
+def local(t: torch.Tensor) -> torch.Tensor:
+    """This process's part of `t`: its rows for a DTensor, `t` itself otherwise."""
+    return t.to_local() if is_dtensor(t) else t
+
+
+@torch.no_grad()
+def set_from_full(t: torch.Tensor, full: torch.Tensor) -> None:
+    """Copy this process's rows of `full` into the (sharded or plain) tensor `t`."""
+    start, stop = local_rows(t)
+    local(t).copy_(full[start:stop])
+
+
+def fresh_values(clf: LlamaClassifier) -> dict[str, torch.Tensor]:
+    """The head and the LoRA adapters (what no checkpoint holds), drawn on the CPU in full exactly as
+    LlamaClassifier and LoRALinear draw them on a loaded backbone, in the same order from the same generator: a
+    sharded run starts from the weights a single process starts from (tests/test_sharding.py asserts it)."""
+    cfg, head = clf.backbone.cfg, clf.head
+    values = {"head.weight": new_head(cfg.dim, head.out_features, head.weight.dtype, "cpu").weight.detach()}
+    names = {id(m): name for name, m in clf.named_modules()}
+    for layer in lora_layers(clf):
+        a, b = new_adapters(layer.rank, layer.in_features, layer.out_features, layer.lora_a.dtype, "cpu")
+        values[f"{names[id(layer)]}.lora_a"], values[f"{names[id(layer)]}.lora_b"] = a, b
+    return values
+
+
+def row_slice(e: TensorInfo, start: int, stop: int) -> TensorInfo:
+    """The rows [start, stop) of a stored tensor: row-major, so they are one contiguous run of bytes."""
+    row_bytes = e.nbytes // max(e.shape[0], 1)
+    shape = (stop - start, *e.shape[1:])
+    return TensorInfo(e.name, e.file, e.dtype, shape, e.offset + start * row_bytes, (stop - start) * row_bytes)
+
+
+def load_sharded(clf: LlamaClassifier, path, device: torch.device, fresh: dict[str, torch.Tensor],
+                 progress: bool = True) -> LoadReport:  # fmt: skip
+    """Fill a sharded classifier built on the meta device: each process reads from the checkpoint files only its
+    own rows of each tensor, one tensor at a time, straight into its shard on `device` (peak memory: its shards
+    plus one tensor's rows). Parameters no checkpoint holds come from `fresh` (see `fresh_values`)."""
+    started = time.perf_counter()
+    files = find_checkpoint_files(path)
+    report = LoadReport(files=files)
+    params = dict(clf.named_parameters())
+    backbone = {n.removeprefix("backbone."): p for n, p in params.items() if n.startswith("backbone.")}
+    in_files = {n: p for n, p in backbone.items() if f"backbone.{n}" not in fresh}
+    entries, unexpected = match_tensors(files, in_files, report)
+    entries.pop("lm_head.weight", None) if "lm_head.weight" not in in_files else None
+    missing = [n for n in in_files if n not in entries] + [n for n in params if n not in fresh and
+                                                            not n.startswith("backbone.")]  # fmt: skip
+    wrong = [n for n, e in entries.items() if tuple(in_files[n].shape) != e.shape]
+    if missing or unexpected or wrong:
+        problems = [f"missing {', '.join(missing)}" if missing else "", f"unexpected {len(unexpected)} tensors"
+                    if unexpected else "", f"wrong shapes {', '.join(wrong)}" if wrong else ""]  # fmt: skip
+        raise CheckpointError(f"{path}: " + "; ".join(p for p in problems if p))
+    clf.to_empty(device=device)  # this process's shards, uninitialised; the rotary tables are recomputed
+    for name, value in fresh.items():
+        set_from_full(params[name], value)
+    total = sum(e.nbytes for e in entries.values())
+    with tqdm(total=total, unit="B", unit_scale=True, desc="loading my shards", disable=not progress) as bar:
+        for name, e in sorted(entries.items(), key=lambda kv: (str(kv[1].file), kv[1].offset)):
+            start, stop = local_rows(in_files[name])
+            part = torch.empty((stop - start, *e.shape[1:]), dtype=e.dtype)
+            with open(e.file, "rb", buffering=0) as fh:
+                read_into(fh, row_slice(e, start, stop), part)
+            with torch.no_grad():
+                local(in_files[name]).copy_(part)
+            report.loaded += 1
+            report.bytes += part.nbytes
+            bar.update(e.nbytes)
+    report.seconds = time.perf_counter() - started
+    return report
+
+
+def resident_bytes(model: nn.Module) -> int:
+    """Bytes of parameters this process holds (its shards under FSDP)."""
+    return sum(local(p).numel() * p.element_size() for p in model.parameters())
+
+
+def full_tensor(t: torch.Tensor) -> torch.Tensor:
+    """The whole tensor, gathered from every process's rows (a collective: every process must call it)."""
+    return t.full_tensor() if is_dtensor(t) else t
+
+
+def gathered(named: dict[str, torch.Tensor], env: Dist):
+    """(name, whole tensor on the CPU) one at a time, in order: on rank 0 the tensor, elsewhere None. Every process
+    takes part in each gather; only one whole tensor exists at a time."""
+    for name, t in named.items():
+        whole = full_tensor(t.detach())
+        yield name, (whole.cpu() if env.is_main else None)
+        del whole
+
+
+def scatter_from_main(named: dict[str, torch.Tensor], source: Callable[[str], torch.Tensor] | None, env: Dist) -> None:
+    """Set each tensor of `named` (sharded or not) to rank 0's `source(name)`: rank 0 sends each
+    whole tensor in turn, every process keeps its rows. How the best weights reach every process without a shared
+    disk."""
+    for name, t in named.items():
+        start, stop = local_rows(t)
+        whole = source(name).to(t.device, t.dtype) if env.is_main else torch.empty(t.shape, dtype=t.dtype,
+                                                                                    device=local(t).device)  # fmt: skip
+        if env.enabled:
+            dist.broadcast(whole, src=0)
+        with torch.no_grad():
+            local(t).copy_(whole[start:stop])
+        del whole
+
+
+def like_param(value: torch.Tensor, param: torch.Tensor) -> torch.Tensor:
+    """A saved local part made a DTensor again, sharded like `param` (plain tensors and scalars pass through)."""
+    if not is_dtensor(param) or is_dtensor(value) or value.shape != local(param).shape:
+        return value
+    from torch.distributed.tensor import DTensor
+
+    return DTensor.from_local(value, param.device_mesh, param.placements, shape=param.shape, stride=param.stride())
+
+
+def save_gathered(named: dict[str, torch.Tensor], path: Path, env: Dist, metadata: dict | None = None) -> None:
+    """Write `named` (sharded or not) as one safetensors file on rank 0, gathering one tensor at a time: the
+    header first (from the shapes), then each whole tensor as it arrives; never the whole model at once. Every
+    process must call it (each gather is a collective)."""
+    seen: set[int] = set()  # a tied embedding under two names is written once, under the first (as save_weights)
+    named = {n: t for n, t in named.items() if not (id(t) in seen or seen.add(id(t)))}
+    if env.is_main:
+        meta = {k: v if isinstance(v, str) else json.dumps(v) for k, v in (metadata or {}).items()}
+        entries = [
+            TensorToWrite(n, tuple(t.shape), t.dtype, lambda t=t: full_tensor(t.detach())) for n, t in named.items()
+        ]
+        write_safetensors(path, entries, meta)
+    else:
+        for t in named.values():
+            full_tensor(t.detach())
+
+
+def read_from_main(named: dict[str, torch.Tensor], path: Path, env: Dist) -> None:
+    """Set `named` to the tensors of rank 0's safetensors file `path`, read there one tensor at a time and
+    sent to every process, each keeping its rows: the other processes need not see rank 0's disk."""
+    with safe_open(path, framework="pt") if env.is_main else contextlib.nullcontext() as f:
+        stored = set(f.keys()) if env.is_main else set()
+        missing = distributed.broadcast_object([n for n in named if n not in stored] if env.is_main else None)
+        if missing:  # every process raises alike, none waits in a collective
+            raise CheckpointError(f"{path} lacks {', '.join(missing[:5])}")
+        scatter_from_main(named, f.get_tensor if env.is_main else None, env)
+
+
+# --- resume points: each process writes its own part ----------------------------------------------------------
+
+
+def part_name(env: Dist) -> str:
+    return f"rank-{env.rank:05d}-of-{env.world_size:05d}.safetensors"
+
+
+def write_parts(directory: Path, env: Dist, write_part) -> None:
+    """A sharded resume point: every process's part (`write_part(file)`) in a new numbered directory inside
+    `directory`; once all have written, rank 0 names it in `directory/current` (one atomic file replace) and removes
+    the older ones. A kill at any moment leaves `current` naming a complete point, never a mix of steps."""
+    new = None
+    if env.is_main:
+        directory.mkdir(parents=True, exist_ok=True)
+        done = [int(d.name.removeprefix("point-")) for d in directory.iterdir() if POINT.fullmatch(d.name)]
+        new = directory / f"point-{max(done, default=0) + 1:08d}"
+        new.mkdir()
+    new = Path(distributed.broadcast_object(None if new is None else str(new)))
+    new.mkdir(parents=True, exist_ok=True)  # a machine that does not share rank 0's disk
+    write_part(new / part_name(env))
+    distributed.barrier()
+    complete = len([f for f in new.iterdir() if PART.fullmatch(f.name)]) == env.world_size
+    distributed.barrier()  # every process has looked before rank 0 moves on
+    if not complete:  # every process sees alike, and raises alike
+        raise ResumeError(f"{new} does not hold every process's part: a sharded run's --output must be on a disk that "
+                          "every machine shares")  # fmt: skip
+    if env.is_main:
+        write_text_atomic(directory / CURRENT, new.name + "\n")
+        for old in directory.iterdir():
+            if POINT.fullmatch(old.name) and old != new:
+                shutil.rmtree(old)
+    distributed.barrier()
+
+
+PART = re.compile(r"rank-\d{5}-of-\d{5}\.safetensors")
+# A part, or one being written (atomic.write_atomic's temporary, which a process killed mid-save leaves behind).
+PART_OR_TEMP = re.compile(rf"{PART.pattern}|\.{PART.pattern}\.\d+\.tmp")
+POINT = re.compile(r"point-\d{8}")
+CURRENT = "current"
+
+
+def is_resume_dir(directory: Path) -> bool:
+    """A directory `write_parts` wrote: `current`, numbered points holding parts, and atomic writes' temporaries
+    (of `current`, and of parts in a point whose save was cut short: the next save removes that point)."""
+    for entry in directory.iterdir():
+        if entry.is_symlink():
+            return False
+        if POINT.fullmatch(entry.name) and entry.is_dir():
+            if not all(PART_OR_TEMP.fullmatch(f.name) and f.is_file() for f in entry.iterdir()):
+                return False
+        elif not (entry.is_file() and re.fullmatch(rf"{CURRENT}|\.{CURRENT}\.\d+\.tmp", entry.name)):
+            return False
+    return True
+
+
+def resume_location(single: Path, parts: Path, model: nn.Module, resuming: bool) -> Path:
+    """Where this run keeps its resume point: one file, or a directory of parts when sharded. Resuming, a point of
+    the other kind is refused by name (it would otherwise be ignored and the run would start over)."""
+    mine, other = (parts, single) if is_sharded(model) else (single, parts)
+    if resuming and not mine.exists() and other.exists():
+        if other is single:
+            raise ResumeError(f"{other} was saved by a run without --shard: resume it without --shard")
+        point = (parts / CURRENT).read_text().strip() if (parts / CURRENT).is_file() else ""
+        n = len([f for f in (parts / point).iterdir() if PART.fullmatch(f.name)]) if POINT.fullmatch(point) else 0
+        raise ResumeError(f"{other} was saved by a sharded run of {n or 'several'} processes: resume it with --shard "
+                          f"under torchrun with {n or 'as many'} processes")  # fmt: skip
+    return mine
+
+
+def part_path(directory: Path, env: Dist) -> Path:
+    """This process's part of the complete resume point in `directory` (a path that does not exist when no save
+    was completed); a clear error when it was saved by another number of processes (resume with the same)."""
+    current = directory / CURRENT
+    name = current.read_text().strip() if current.is_file() else ""
+    if not POINT.fullmatch(name) or not (directory / name).is_dir():
+        return directory / "no-complete-point"
+    mine = directory / name / part_name(env)
+    saved = sorted(f.name for f in (directory / name).iterdir() if PART.fullmatch(f.name))
+    if not mine.exists():
+        n = saved[0].split("-of-")[1].split(".")[0].lstrip("0") if saved else "no"
+        raise ResumeError(f"{directory} was saved by {n} processes, this run has {env.world_size}: resume a sharded "
+                          "run with the same number of processes")  # fmt: skip
+    return mine
+
+
+def as_sharded(record: dict, model: nn.Module, optimizer) -> None:
+    """A read part's plain tensors (this process's rows) made DTensors again like the parameters they belong to,
+    in place, so that resume.restore can copy them in as for a single process."""
+    params = dict(model.named_parameters())
+    record["trained"] = {n: like_param(t, params[n]) if n in params else t for n, t in record["trained"].items()}
+    state = record["optimizer"]
+    stepped = [p for g in optimizer.param_groups for p in g["params"]]
+    for i, entry in state.get("state", {}).items():
+        if 0 <= i < len(stepped):
+            state["state"][i] = {k: like_param(v, stepped[i]) if torch.is_tensor(v) else v for k, v in entry.items()}
+    if "master_weights" in state:
+        state["master_weights"] = [like_param(m, p) for m, p in zip(state["master_weights"], optimizer.masters,
+                                                                     strict=True)]  # fmt: skip

@@ -1,0 +1,344 @@
+"""Memory planning: what one training process holds on its GPU, worked out before anything is allocated.
+
+Parameter counts come from the model built on the meta device, so they are exact (LoRA adapters, their gradients
+and optimizer state included). Activation sizes come from the model's own operations: each term (in
+plan_activations.py, and outside the blocks here) names the tensor autograd saves for backward (checked against
+`torch.autograd.graph.saved_tensors_hooks` in tests/test_plan.py), for full blocks and for the classifier's last
+block, which runs only at each row's last token. Working memory of a forward or backward step (tensors that live
+for one operation) is an estimate from the same shapes, checked on CPU against the live tensors of real steps; it
+is a small part of the peak. CUDA kernels may keep other temporaries than CPU ones: benchmarks/gpu_8b.py measures.
+
+One process (per GPU) holds, at its peak:
+  weights + optimizer state                                            always
+  (+ the gradients, under DDP or while accumulating: they stay allocated between steps)
+  + the largest of: the forward  (saved activations, one block's temporaries)
+                    the backward (activations not yet used, gradients so far, one block's temporaries)
+                    the optimizer step (all gradients, the step's temporaries)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+
+import torch
+
+from ..model.classifier import trained_blocks
+from ..model.config import LlamaConfig, parse_dtype
+from ..model.counts import ParamCounts, count_parameters
+from ..model.lora import LoRASettings
+from .activations import (
+    FP32,
+    backward_work,
+    block_forward_work,
+    block_saved_bytes,
+    last_block_saved_bytes,
+    norm_saved_bytes,
+    outside_blocks_saved_bytes,
+    trained_forward_work,
+)
+
+GiB = 2**30
+OPTIMIZER_STATES = ("param", "float32")  # see train.make_optimizer
+
+
+# Several GPUs: NCCL's own buffers and communicators, outside PyTorch's allocator (NVLS on an NVSwitch node such as
+# an 8-GPU H100 reserves about 2.25 GiB per GPU), so max_memory_allocated() never shows them.
+COLLECTIVES_RESERVE = GiB * 9 // 4
+
+
+def with_margin(n: int) -> int:
+    """The GPU memory to ask for `n` bytes of tensors: 5% and 0.5 GiB more for the CUDA context and fragmentation."""
+    return int(n * 1.05) + GiB // 2
+
+
+@dataclass(frozen=True)
+class Recipe:
+    """What a training run looks like to memory. `batch_size` is per process (per GPU)."""
+
+    cfg: LlamaConfig
+    batch_size: int
+    seq_len: int
+    train_last: int | None = 1  # None: everything trains
+    num_classes: int = 2
+    dtype: torch.dtype | None = None  # parameter dtype; None: the config's
+    optimizer_state: str = "float32"  # fp32 master + moments (the runs' default); "param": moments in the param dtype
+    gradient_checkpointing: bool = False
+    world_size: int = 1  # DDP: a full replica per process; its gradients are kept between steps (bucket views)
+    nodes: int = 1  # machines the world_size processes run on, as many on each (torchrun --nnodes)
+    shard: bool = False  # FSDP2 (--shard): every parameter, gradient and moment split across the world_size processes
+    shard_group: int | None = None  # hybrid sharding (--shard-group): split across this many, replicated beyond
+    grad_accum: int = 1  # >1: gradients stay allocated through the next micro-batch's forward
+    device_type: str = "cuda"  # "cuda": the flash attention layout; "cpu": what CPU kernels do
+    lora: LoRASettings | None = None  # adapters in the trained blocks, whose own weights and norms stay frozen
+
+    def __post_init__(self) -> None:
+        if self.optimizer_state not in OPTIMIZER_STATES:
+            raise ValueError(f"optimizer_state must be one of {OPTIMIZER_STATES}, got {self.optimizer_state!r}")
+        if self.batch_size < 1 or self.seq_len < 1:
+            raise ValueError(f"batch size and sequence length must be positive, got {self.batch_size}, {self.seq_len}")
+        if self.nodes < 1 or self.world_size < 1 or self.world_size % self.nodes:
+            raise ValueError(
+                f"world size {self.world_size} must be a positive multiple of the {self.nodes} node(s): as many "
+                "processes on each node"
+            )
+
+    @property
+    def per_node(self) -> int:
+        """Processes (GPUs) on each node."""
+        return self.world_size // self.nodes
+
+    @property
+    def param_dtype(self) -> torch.dtype:
+        return parse_dtype(self.dtype) if self.dtype is not None else self.cfg.dtype
+
+    @property
+    def trained_blocks(self) -> int:
+        return len(trained_blocks(self.cfg.n_layers, self.train_last))
+
+
+def gathered_bytes(r: Recipe, counts: ParamCounts) -> tuple[int, int]:
+    """Sharded (FSDP2): whole parameters held beside the shards in forward and in backward (sharding.shard_model).
+
+    A group (a block, an untied embedding, the root) is gathered into one buffer and then copied out into its
+    parameters: twice its size for a moment. Forward: the block being computed, and the next one, prefetched, in
+    that moment (the embedding first, when it is a group of its own). Backward: the same, then the block's whole
+    gradient beside both, in its dtype and in float32 for the reduce-scatter (the simulation says the block is
+    still there; benchmarks/simulate_scale.py). A tied
+    embedding lives in the root group with the head: gathered from the classifier's forward to the end of
+    backward, its gradient reduced last, after the root's parameters are freed."""
+    if not r.shard:
+        return 0, 0
+    s, cfg = r.param_dtype.itemsize, r.cfg
+    block, grad = s * counts.block, s * counts.block_trained
+    # gathering the next block beside this one; or both, and this block's gradient in its dtype and in float32
+    blocks = max(3 * block, 2 * block + grad + FP32 * counts.block_trained)
+    emb_trained = counts.embedding if r.train_last is None else 0
+    if cfg.tie_embeddings:
+        root = s * (counts.embedding + counts.head + cfg.dim)
+        return max(2 * root, root + 3 * block), max(root + blocks, (s + FP32) * emb_trained)
+    emb = s * counts.embedding
+    return max(2 * emb, emb + 2 * block, 3 * block), max(blocks, emb + s * emb_trained, (s + FP32) * emb_trained)
+
+
+# --- the plan ---------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class Row:
+    name: str
+    bytes: int
+    note: str = ""
+
+
+@dataclass
+class MemoryPlan:
+    """Bytes per process: the parts, the peak and the phase it falls in."""
+
+    recipe: Recipe
+    counts: ParamCounts
+    weights: int
+    gradients: int
+    optimizer_state: int
+    activations: int  # everything saved for backward at the end of the forward
+    block_activations: int  # a full block's saved set (what checkpointing recomputes one block at a time)
+    last_block_activations: int  # the classifier's last block, which runs at the pooled tokens
+    forward_work: int
+    backward_work: int
+    step_work: int
+    frozen_forward: int  # the transient peak of a frozen block's forward
+    phases: dict[str, int] = field(default_factory=dict)
+    gathered: int = 0  # sharded: whole parameters (and gradients) held beside the shards at once, at most
+
+    @property
+    def persistent(self) -> int:
+        return self.weights + self.optimizer_state
+
+    @property
+    def peak(self) -> int:
+        return self.persistent + max(self.phases.values())
+
+    @property
+    def peak_phase(self) -> str:
+        return max(self.phases, key=self.phases.get)
+
+    @property
+    def collectives(self) -> int:
+        """NCCL's memory when several GPUs train together (none on CPU, or alone)."""
+        return COLLECTIVES_RESERVE if self.recipe.world_size > 1 and self.recipe.device_type == "cuda" else 0
+
+    def required(self) -> int:
+        """The GPU memory to ask for: the peak plus room for the CUDA context, allocator fragmentation and NCCL."""
+        return with_margin(self.peak) + self.collectives
+
+    def fits(self, gpu_bytes: int) -> bool:
+        return self.required() <= gpu_bytes
+
+    def as_dict(self) -> dict:
+        r = self.recipe
+        return {
+            "model_params": self.counts.backbone,
+            "trainable_params": self.counts.trainable,
+            "batch_size": r.batch_size,
+            "seq_len": r.seq_len,
+            "train_last": r.train_last,
+            "dtype": str(r.param_dtype).removeprefix("torch."),
+            "optimizer_state": r.optimizer_state,
+            "gradient_checkpointing": r.gradient_checkpointing,
+            "world_size": r.world_size,
+            "nodes": r.nodes,
+            "shard": r.shard,
+            **{k: getattr(self, k) for k in ("weights", "gradients", "optimizer_state")},
+            **{k: getattr(self, k) for k in ("activations", "forward_work", "backward_work", "step_work")},
+            "frozen_forward": self.frozen_forward,
+            "phases": dict(self.phases),
+            "peak": self.peak,
+            "required": self.required(),
+        }
+
+
+def optimizer_bytes(r: Recipe, counts) -> tuple[int, int]:
+    """AdamW's state, and its temporaries during a step. torch's AdamW keeps exp_avg and exp_avg_sq in the
+    parameter dtype; "float32" keeps both in float32 next to a float32 master copy of each low-precision trained
+    parameter (train.make_optimizer)."""
+    s, p = r.param_dtype.itemsize, counts.trainable
+    master = r.optimizer_state == "float32" and s < FP32
+    state_size = FP32 if r.optimizer_state == "float32" else s
+    state = 2 * state_size * p + (FP32 * p if master else 0)
+    # fused AdamW (GPUs and CPUs) needs no temporaries; per-tensor AdamW (sharded parameters) holds a few of the
+    # largest: sqrt(v), ...
+    per_tensor = r.shard
+    temporaries = 3 * state_size * counts.largest_trainable if per_tensor else 0
+    if not master:
+        return state, temporaries
+    # float32 gradients replace the low-precision ones, one tensor at a time, before AdamW steps
+    if not r.shard and r.world_size > 1:  # DDP: the low-precision ones stay (bucket views), through AdamW's step
+        return state, FP32 * p + temporaries
+    return state, (FP32 - s) * p + max(low_precision_kept(r, counts), temporaries)
+
+
+def low_precision_kept(r: Recipe, counts) -> int:
+    """Of the low-precision gradients that MasterWeightAdamW.step drops as it makes their float32 copies (optim.py),
+    the bytes still held when the last copy is made (beside all the float32 ones; AdamW's own temporaries come
+    after, when these are gone). Under DDP none is freed: they are views of its buckets (see optimizer_bytes).
+
+    Sharded (FSDP2), a group's gradients (a block's, the
+    root's) are views of one buffer, freed when the last of them is dropped; the copies are made weight matrices
+    first, then norm gains (the optimizer's two parameter groups), so a group with a trained norm gain (a trained
+    block, not its LoRA adapters; the root: final norm, head, a tied embedding) keeps all its gradients until the
+    end. Alone, each is freed as its copy appears."""
+    s, cfg = r.param_dtype.itemsize, r.cfg
+    if not r.shard:
+        return s * counts.trainable if r.world_size > 1 else 0
+    n = r.shard_group or r.world_size
+    root = counts.head + -(-cfg.dim // n)
+    if cfg.tie_embeddings and r.train_last is None:
+        root += -(-cfg.vocab_size // n) * cfg.dim
+    blocks = r.trained_blocks * counts.block_trained if r.lora is None else 0
+    return s * (blocks + root)
+
+
+def backward_peak(r: Recipe, cfg: LlamaConfig, counts, activations: int, held: int, saved: tuple) -> int:
+    """The most memory backward holds at once, beside weights and optimizer state.
+
+    Backward goes block by block from the top (the head's and final norm's gradients come first, the embedding's
+    last). A block starts with all its saved tensors alive (a checkpointed one recomputes them next to its kept
+    input), the gradients of the blocks above and its first weight gradient (down_proj's); it ends in its
+    attention norm with only that norm's saved tensors left and all its weight gradients. Blocks below it still
+    hold what they saved. `saved` is (last block, first kept, other kept, first full, other full) in bytes.
+    """
+    last, kept_first, kept_per_block, full_first, full_rest = saved
+    s, k, b, t = r.param_dtype.itemsize, r.trained_blocks, r.batch_size, r.seq_len
+    full, ckpt = max(k - 1, 0), r.gradient_checkpointing
+    grads, block_grads, lora = s * counts.trainable, s * counts.block_trained, r.lora is not None
+    work = backward_work(cfg, b, t, s, r.device_type, r.lora is not None)
+    sweep = []  # (kept until its turn, alive at its start, alive at its end, start temporaries, end temporaries)
+    if k:
+        input_grad = full > 0 or r.train_last is None
+        end_work = work["end"] if input_grad else work["end, input frozen"]
+        sweep.append((last, last, norm_saved_bytes(cfg, b, t, s, input_grad, lora), work["last start"], end_work))
+    for i in range(full):
+        bottom = i == full - 1
+        kept, at_start = (kept_first, full_first) if bottom else (kept_per_block, full_rest)
+        input_grad = r.train_last is None or not bottom
+        at_end = norm_saved_bytes(cfg, b, t, s, input_grad, lora) + (kept if ckpt else 0)
+        end_work = work["end"] if input_grad else work["end, input frozen"]
+        sweep.append((kept, at_start + (kept if ckpt else 0), at_end, work["start"], end_work))
+    alive, done = activations, s * (counts.head + cfg.dim)  # head and final norm
+    peak = alive + max(held, done)
+    for kept, at_start, at_end, start_work, end_work in sweep:
+        alive -= kept
+        peak = max(peak, alive + at_start + max(held, done + s * counts.down_trained) + start_work)
+        done += block_grads
+        peak = max(peak, alive + at_end + max(held, done) + end_work)
+    return max(peak, alive + grads)  # the embedding's gradient, when everything trains
+
+
+def held_gradients(r: Recipe, whole: int, mine: int) -> int:
+    """Gradients allocated through the forward: when accumulating (the earlier micro-batches' are there), and under
+    DDP, where they are views of its all-reduce buckets, zeroed between steps but never freed (distributed.wrap).
+    Sharded, the micro-batches before a step's last keep theirs whole (unsharded) until it: `whole`, not `mine`."""
+    if r.shard:
+        return whole if r.grad_accum > 1 else 0
+    return mine if r.grad_accum > 1 or r.world_size > 1 else 0
+
+
+def plan_memory(r: Recipe) -> MemoryPlan:
+    """Bytes one process needs for the recipe, part by part, and its peak."""
+    if r.lora is not None and r.train_last is None:  # adapters in every block; the embedding stays frozen
+        r = dataclasses.replace(r, train_last=r.cfg.n_layers)
+    cfg = dataclasses.replace(r.cfg, dtype=r.param_dtype)
+    s = r.param_dtype.itemsize
+    whole = count_parameters(cfg, r.train_last, r.num_classes, r.lora)
+    shards = (r.shard_group or r.world_size) if r.shard else 1
+    counts = count_parameters(cfg, r.train_last, r.num_classes, r.lora, shards) if shards > 1 else whole  # mine
+    p = counts.trainable
+    k = r.trained_blocks
+    b, t = r.batch_size, r.seq_len
+
+    optimizer_state, step_work = optimizer_bytes(r, counts)
+    # Trained blocks: k - 1 full ones (checkpointed, if asked) and the classifier's last block, at the pooled rows.
+    full = max(k - 1, 0)
+    full_first = block_saved_bytes(cfg, b, t, s, r.train_last is None, r.device_type, r.lora)
+    full_rest = block_saved_bytes(cfg, b, t, s, True, r.device_type, r.lora)
+    block_full = full_rest if full > 1 or r.train_last is None else full_first
+    kept_per_block = s * b * t * cfg.dim if r.gradient_checkpointing else full_rest
+    kept_first = s * b * t * cfg.dim if r.gradient_checkpointing else full_first
+    last = last_block_saved_bytes(cfg, b, t, s, full > 0 or r.train_last is None, r.device_type, r.lora) if k else 0
+    shared = sum(outside_blocks_saved_bytes(cfg, b, t, s, k, r.num_classes, r.train_last is None).values())
+    activations = shared + last + (kept_first + (full - 1) * kept_per_block if full else 0)
+
+    grads = s * p
+    frozen_work = block_forward_work(cfg, b, t, s)
+    # A checkpointed block's forward runs like a frozen one: its internals are temporaries.
+    fwd_work = frozen_work if r.gradient_checkpointing else trained_forward_work(cfg, b, t)
+    work = backward_work(cfg, b, t, s, r.device_type, r.lora is not None)
+    held = held_gradients(r, s * whole.trainable, grads)
+    gathered_forward, gathered_backward = gathered_bytes(r, whole)
+    backward = backward_peak(
+        r, cfg, counts, activations, held, (last, kept_first, kept_per_block, full_first, full_rest)
+    )
+    phases = {
+        "frozen forward": frozen_work + held + gathered_forward,
+        "forward": activations + fwd_work + held + gathered_forward,
+        "backward": backward + gathered_backward,
+        "optimizer step": grads + step_work,
+    }
+    if k == cfg.n_layers:
+        del phases["frozen forward"]  # nothing is frozen
+    return MemoryPlan(
+        recipe=r,
+        counts=whole,
+        weights=s * counts.total + counts.buffer_bytes,
+        gradients=grads,
+        optimizer_state=optimizer_state,
+        activations=activations,
+        block_activations=block_full if full else 0,
+        last_block_activations=last,
+        forward_work=fwd_work,
+        backward_work=max(work["start"] if full else work["last start"], work["end"]),
+        step_work=step_work,
+        frozen_forward=frozen_work if k < cfg.n_layers else 0,
+        phases=phases,
+        gathered=max(gathered_forward, gathered_backward),
+    )

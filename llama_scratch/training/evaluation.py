@@ -1,0 +1,97 @@
+"""Evaluation: loss, accuracy and the confusion matrix over a whole split, and per-class figures from it."""
+
+from __future__ import annotations
+
+from collections import Counter
+from typing import Protocol
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from tqdm.auto import tqdm
+
+from ..data.batching import (
+    Split,
+    forward,
+    length_sorted_batches,
+    to_batch,
+)
+from ..parallel import distributed, sharding
+from ..parallel.distributed import Dist
+
+
+class EvalSettings(Protocol):
+    """What evaluation reads from the training settings (train.TrainSettings has both)."""
+
+    eval_rows: int  # rows per batch: no gradients are kept, so more than in training
+    padding_side: str
+
+
+def evaluate(model: nn.Module, split: Split, s: EvalSettings, env: Dist, device, desc: str) -> dict:
+    """See `_evaluate`. Sharded: under no_grad, not inference_mode, whose tensors FSDP2 could not free after."""
+    if not sharding.is_sharded(model):
+        with torch.inference_mode():
+            return _evaluate(model, split, s, env, device, desc)
+    with torch.no_grad():
+        result = _evaluate(model, split, s, env, device, desc)
+    sharding.reshard(model)
+    return result
+
+
+def _evaluate(model: nn.Module, split: Split, s: EvalSettings, env: Dist, device, desc: str) -> dict:
+    """Loss, accuracy and confusion matrix over a whole split, shared out across processes.
+
+    Each process takes every N-th row (no padding rows, unlike `DistributedSampler`), so summing the counts
+    over processes counts every row exactly once. Rows are sorted by length so batches carry little padding.
+    """
+    model = distributed.unwrap(model)
+    num_classes = model.head.out_features  # the classifier's head says how many classes there are
+    was_training = model.training
+    model.eval()
+    batches = length_sorted_batches([len(x) for x in split.ids], s.eval_rows, env.rank, env.world_size)
+    loss_sum = torch.zeros((), dtype=torch.float64, device=device)
+    confusion = torch.zeros(num_classes, num_classes, dtype=torch.float64, device=device)  # [true, predicted]
+    # Sharded, every process runs every forward (its blocks are gathered from everyone): one with fewer batches
+    # runs a one-row batch more whose result it drops.
+    extra = sharding.batches_to_match(model, len(batches))
+    for k, rows in enumerate(tqdm(batches + [[0]] * extra, desc, leave=False, disable=not env.is_main)):
+        batch = to_batch(split, rows, s.padding_side, device)
+        logits = forward(model, batch).float()
+        if k >= len(batches):
+            continue
+        loss_sum += F.cross_entropy(logits, batch["labels"], reduction="sum").double()
+        flat = batch["labels"] * num_classes + logits.argmax(-1)
+        confusion += torch.bincount(flat, minlength=num_classes**2).view(num_classes, num_classes).double()
+    totals = distributed.all_sum(torch.cat([loss_sum.view(1), confusion.flatten()]))
+    model.train(was_training)
+    confusion = totals[1:].view(num_classes, num_classes).cpu()
+    n = confusion.sum().item()
+    return {
+        "loss": totals[0].item() / max(n, 1),
+        "accuracy": confusion.diag().sum().item() / max(n, 1),
+        "confusion": confusion.long().tolist(),
+        "count": int(n),
+    }
+
+
+def per_class(confusion: list[list[int]], label_names: list[str]) -> dict[str, dict]:
+    """Precision, recall and F1 of each class from a [true, predicted] confusion matrix."""
+    c = torch.tensor(confusion, dtype=torch.float64)
+    out = {}
+    for k, name in enumerate(label_names):
+        tp, predicted, actual = c[k, k].item(), c[:, k].sum().item(), c[k].sum().item()
+        p = tp / predicted if predicted else 0.0
+        r = tp / actual if actual else 0.0
+        out[name] = {"precision": p, "recall": r, "f1": 2 * p * r / (p + r) if p + r else 0.0, "support": int(actual)}
+    return out
+
+
+def warn_if_one_class(val_accuracy: float, val_labels: list[int], log) -> None:
+    """A model that learned nothing predicts the commonest class; its accuracy is then that class's share."""
+    majority = max(Counter(val_labels).values()) / max(len(val_labels), 1)
+    if val_accuracy <= majority + 1e-9:
+        log(
+            f"warning: validation accuracy {val_accuracy:.2%} is no better than always answering the commonest "
+            f"class ({majority:.2%}): the model has not learned the task. Try more data, more --epochs, a higher "
+            "--lr, or --class-weights balanced for imbalanced labels."
+        )

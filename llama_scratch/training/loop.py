@@ -1,0 +1,412 @@
+"""The training loop: AdamW on the trainable parameters, warm-up then decay, evaluation each epoch, and
+checkpoints that let an interrupted run continue to exactly the weights an uninterrupted run would reach.
+
+One optimizer step = `grad_accum` micro-batches of `batch_size` rows on each of `world_size` processes.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import asdict, dataclass, field, fields
+from pathlib import Path
+from typing import ClassVar
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.data import DistributedSampler
+from tqdm.auto import tqdm
+
+from ..checkpoints import resume
+from ..data.batching import Split, forward, to_batch
+from ..parallel import distributed, sharding
+from ..parallel.distributed import Dist
+from .evaluation import evaluate
+from .interrupts import interrupts_deferred
+from .optim import MasterWeightAdamW
+
+
+@dataclass
+class TrainSettings:
+    """The training recipe, and the one place its defaults live (the command's flags and help derive from it)."""
+
+    epochs: int = 5
+    max_steps: int | None = None  # stop after this many optimizer steps (the schedule is shortened to match)
+    min_steps: int = 100  # small data: the command raises the epochs until training takes at least this many steps
+    batch_size: int = 8  # rows per process per micro-batch
+    grad_accum: int = 1
+    lr: float = 2e-4  # for pretrained weights, which are only adjusted, gently
+    lr_fresh: ClassVar[float] = 1e-3  # weights that start from nothing: LoRA (98.67% on SMS, 97.67% at 2e-4), scratch
+    weight_decay: float = 0.1
+    warmup: float = 0.1  # fraction of the steps spent ramping the learning rate up from zero
+    schedule: str = "cosine"  # cosine | linear | constant (after the warm-up)
+    clip_grad: float = 1.0  # max gradient norm; 0 disables clipping
+    seed: int = 123
+    save_every: int = 50  # optimizer steps between resume checkpoints (also at every epoch end and on Ctrl-C)
+    eval_batch_size: int | None = None  # None: 2 x batch_size
+    padding_side: str = "packed"  # packed: no padding at all (packing.py, issue 19); "right"/"left" pad
+    # "float32": float32 masters + moments for bf16 parameters (12 B a trained parameter; optim.py), else bf16 rounds
+    # most updates away; "param": moments in the parameters' dtype (4 B in bf16, lossy). Same on float32 weights.
+    optimizer_state: str = "float32"
+    patience: int | None = None  # stop after this many epochs without a better validation result (None: never)
+    class_weights: list[float] | None = None  # per-class loss weights (see balanced_weights); None: all equal
+
+    @property
+    def eval_rows(self) -> int:
+        """Rows per batch where nothing trains (evaluation, the frozen-prefix pass): no gradients, so twice as many."""
+        return self.eval_batch_size or 2 * self.batch_size
+
+
+@dataclass
+class TrainState:
+    """Everything needed to continue a run, besides the weights and the optimizer."""
+
+    epoch: int = 0  # the epoch in progress
+    batches_done: int = 0  # micro-batches of that epoch already consumed (always a whole optimizer step)
+    step: int = 0  # optimizer steps taken in total
+    best_val_accuracy: float = -1.0
+    best_val_loss: float = math.inf
+    best_epoch: int = -1
+    history: list[dict] = field(default_factory=list)
+    # The epoch so far over all processes (loss x rows, correct, rows): here so a resumed epoch reports all of it.
+    epoch_sums: list[float] = field(default_factory=lambda: [0.0, 0.0, 0.0])
+    train_seconds: float = 0.0
+    train_tokens: int = 0
+    evaluated_step: int = -1  # the step at which an epoch's end (validation, history, best) was last recorded
+
+
+class TrainingDiverged(RuntimeError):
+    pass
+
+
+# ---------------------------------------------------------------------------------------------- batches
+
+
+def epoch_batches(n: int, epoch: int, s: TrainSettings, env: Dist) -> list[list[int]]:
+    """This process's micro-batches for one epoch, as row indices, in a fixed order given (seed, epoch).
+
+    The order comes from `DistributedSampler`: with N processes each takes every N-th row of one shuffled list,
+    so batch k of one process with batch size 8 holds the rows of batch k on two with batch size 4: the same
+    steps. The last, incomplete batch is dropped: every step has the same size on every process.
+    """
+    sampler = DistributedSampler(range(n), num_replicas=env.world_size, rank=env.rank, shuffle=True, seed=s.seed)
+    sampler.set_epoch(epoch)
+    order = list(sampler)
+    usable = len(order) // (s.batch_size * s.grad_accum) * s.batch_size * s.grad_accum
+    return [order[i : i + s.batch_size] for i in range(0, usable, s.batch_size)]
+
+
+def check_enough_data(n_train: int, s: TrainSettings, env: Dist) -> int:
+    """Optimizer steps per epoch (as `epoch_batches` makes them); a clear error when there is not one full step."""
+    rows_per_process = math.ceil(n_train / env.world_size)  # DistributedSampler's share, padded with repeats
+    steps = rows_per_process // (s.batch_size * s.grad_accum)
+    if steps == 0:
+        per_step = s.batch_size * s.grad_accum * env.world_size
+        raise ValueError(
+            f"the training split has {n_train} rows, fewer than one step needs ({s.batch_size} rows x "
+            f"{s.grad_accum} accumulation x {env.world_size} processes = {per_step}); lower --batch-size, "
+            "--grad-accum or the number of processes"
+        )
+    return steps
+
+
+def balanced_weights(labels: list[int], num_classes: int) -> list[float]:
+    """Loss weights n / (classes x count): each class weighs as much as if all were equally common (a rare one too)."""
+    counts = torch.bincount(torch.tensor(labels), minlength=num_classes).clamp(min=1)
+    return (len(labels) / (num_classes * counts.double())).tolist()
+
+
+def epochs_for_min_steps(n_train: int, s: TrainSettings, env: Dist) -> int:
+    """Enough epochs for `s.min_steps` optimizer steps: five epochs of a few dozen rows leave a model where it was."""
+    steps = check_enough_data(n_train, s, env)
+    return max(s.epochs, math.ceil(s.min_steps / steps))
+
+
+# ---------------------------------------------------------------------------------------------- optimizer
+
+
+def make_optimizer(model: nn.Module, s: TrainSettings) -> torch.optim.AdamW:
+    """AdamW over trainable parameters only (frozen ones get no state). Norm gains are not weight-decayed.
+
+    The fused kernel on GPUs and CPUs: no temporaries (foreach briefly copies the state: 15 GB for all of 8B), and
+    fast (the default job's step on 2 CPU cores: 2.1 ms, 17 ms a tensor at a time). Sharded parameters (DTensors)
+    step one tensor at a time: the fused kernel gathered them whole in our simulation (127 GiB a process, 8B on 8).
+    "float32" `optimizer_state` on low-precision parameters steps float32 masters (MasterWeightAdamW).
+    """
+    if s.optimizer_state not in ("param", "float32"):
+        raise ValueError(f"optimizer_state must be 'param' or 'float32', got {s.optimizer_state!r}")
+    params = [p for p in model.parameters() if p.requires_grad]
+    decay = [p for p in params if p.ndim >= 2]
+    no_decay = [p for p in params if p.ndim < 2]
+    groups = [{"params": decay, "weight_decay": s.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+    sharded = any(sharding.is_dtensor(p) for p in params)
+    fused = (bool(params) and all(p.device.type in ("cuda", "cpu") for p in params) and not sharded) or None
+    foreach = False if sharded else None
+    masters = s.optimizer_state == "float32" and any(p.dtype != torch.float32 for p in params)
+    return (MasterWeightAdamW if masters else torch.optim.AdamW)(groups, lr=s.lr, betas=(0.9, 0.95), eps=1e-8,
+                                                                 fused=fused, foreach=foreach)  # fmt: skip
+
+
+def lr_factor(step: int, total: int, s: TrainSettings) -> float:
+    """Multiplier of the peak learning rate at `step`: linear warm-up, then cosine or linear decay to 10%."""
+    warmup = int(s.warmup * total)
+    if step < warmup:
+        return (step + 1) / warmup
+    if s.schedule == "constant":
+        return 1.0
+    progress = (step - warmup) / max(1, total - warmup)
+    decay = 0.5 * (1 + math.cos(math.pi * progress)) if s.schedule == "cosine" else 1 - progress
+    return 0.1 + 0.9 * decay
+
+
+# ---------------------------------------------------------------------------------------------- checkpoints
+
+
+def trainable_state(model: nn.Module) -> dict[str, torch.Tensor]:
+    """The trained parameters only, detached (the frozen backbone is reloaded from its own checkpoint)."""
+    return {name: p.detach() for name, p in distributed.unwrap(model).named_parameters() if p.requires_grad}
+
+
+def save_resume_point(
+    path: Path, model, optimizer, scheduler, state: TrainState, settings: TrainSettings, identity: dict
+) -> None:
+    """The trained parameters, optimizer, schedule, RNG and counters, in one safetensors file (see resume.py)."""
+    plain = {"state": asdict(state), "settings": asdict(settings), "identity": identity}
+    resume.write_point(path, trainable_state(model), optimizer, scheduler, **plain)
+
+
+def check_same_run(path: Path, record: dict, settings: TrainSettings, identity: dict, partial: bool = False) -> None:
+    """Refuse (by name) a resume point whose settings, data or model differ from this run's. `partial`: compare only
+    what `identity` holds, for a look before everything is known (the command's check before the weights load)."""
+    try:
+        saved = {**record["settings"], **record["identity"]}
+    except (KeyError, TypeError) as e:
+        raise resume.ResumeError(f"{path} is not a usable resume point: {e}") from None
+    now = {**asdict(settings), **identity}
+    for changeable in ("save_every",):  # how often to save may change between the two halves of a run
+        saved.pop(changeable, None), now.pop(changeable, None)
+    if partial:
+        saved = {k: v for k, v in saved.items() if k in now}
+    resume.check_same_run(path, saved, now)
+
+
+def load_resume_point(path: Path, model, optimizer, scheduler, settings: TrainSettings, identity: dict) -> TrainState:
+    """Continue from `path`, refusing (by name) any setting, data or model that differs from the saved run's."""
+    record = resume.read_point(path)
+    try:
+        state = {k: v for k, v in record["state"].items() if k in {f.name for f in fields(TrainState)}}
+        defaults = asdict(TrainState())  # a counter this version dropped is ignored; a new one starts at its default
+        if bad := [k for k, v in state.items() if type(v) is not type(defaults[k]) and not (
+                isinstance(defaults[k], float) and type(v) is int)]:  # fmt: skip
+            raise TypeError(f"state entries of the wrong type: {', '.join(bad)}")
+    except (KeyError, TypeError, AttributeError, ValueError) as e:
+        raise resume.ResumeError(f"{path} is not a usable resume point: {e}") from None
+    check_same_run(path, record, settings, identity)
+    if sharding.is_sharded(model):  # each process's rows, made DTensors like the parameters again
+        sharding.as_sharded(record, model, optimizer)
+    resume.restore(record, distributed.unwrap(model), optimizer, scheduler, path)
+    return TrainState(**state)
+
+
+# ---------------------------------------------------------------------------------------------- the loop
+
+RESUME_FILE = "resume.safetensors"
+RESUME_DIR = "resume.sharded"  # under --shard: one part per process (sharding.write_parts)
+
+
+def train_step(
+    model: nn.Module, split: Split, step_rows: list[list[int]], s: TrainSettings, env: Dist, device
+) -> tuple[torch.Tensor, int]:
+    """Forward and backward over one optimizer step's micro-batches, gradients accumulating.
+
+    Returns this process's (loss x rows, correct, rows) for the step, kept on the device so that nothing waits
+    for the GPU here, and the tokens the step trained on (all processes), counted on the host from the lengths.
+    """
+    sums = torch.zeros(3, dtype=torch.float64, device=device)
+    weight = None if s.class_weights is None else torch.tensor(s.class_weights, device=device)
+    tokens = 0
+    for j, rows in enumerate(step_rows):
+        batch = to_batch(split, rows, s.padding_side, device)
+        # Several processes combine their gradients only after the last micro-batch of a step.
+        with distributed.gradient_sync(model, j == len(step_rows) - 1):
+            logits = forward(model, batch)
+            micro = F.cross_entropy(logits.float(), batch["labels"], weight=weight) / s.grad_accum
+            micro.backward()
+        correct = (logits.argmax(-1) == batch["labels"]).sum()
+        sums += torch.stack(
+            [micro.detach().double() * s.grad_accum * len(rows), correct.double(), sums.new_tensor(len(rows))]
+        )
+        tokens += sum(len(split.ids[i]) for i in rows) * env.world_size
+    return sums, tokens
+
+
+def check_finite(totals: list[float], state: TrainState, resume_path: Path) -> None:
+    """Stop on a non-finite loss or gradient norm, summed over all processes: one process's NaN is everyone's, so all
+    stop together instead of some waiting forever in a collective."""
+    loss_sum, _, rows, norm = totals
+    if not (math.isfinite(loss_sum) and math.isfinite(norm)):
+        raise TrainingDiverged(
+            f"the loss became {loss_sum / max(rows, 1)} (gradient norm {norm}) at step {state.step + 1}, epoch "
+            f"{state.epoch + 1}; try a lower --lr. The last good resume point is {resume_path}."
+        )
+
+
+def finish_epoch(state: TrainState, val: dict, complete: bool, on_best, env: Dist, log) -> None:
+    """Record the epoch in the history, keep the best weights, and move the counters on.
+
+    Called with interrupts held (see `train`): the history row, the best-epoch figures, the best weights on disk
+    and the epoch counter change together or not at all, so a Ctrl-C here never leaves a duplicated row or a
+    best epoch whose weights were not saved.
+    """
+    loss_sum, correct, rows_seen = state.epoch_sums
+    row = {
+        "epoch": state.epoch + 1,
+        "step": state.step,
+        # Running figures from the batches as they were trained (a full pass would cost as much as the epoch).
+        "train_loss": loss_sum / max(rows_seen, 1),
+        "train_accuracy": correct / max(rows_seen, 1),
+        "val_loss": val["loss"],
+        "val_accuracy": val["accuracy"],
+    }
+    state.history.append(row)
+    state.evaluated_step = state.step
+    log(
+        f"epoch {row['epoch']}: step {row['step']}, train loss {row['train_loss']:.4f} acc "
+        f"{row['train_accuracy']:.2%}, val loss {row['val_loss']:.4f} acc {row['val_accuracy']:.2%}"
+    )
+    # Best = highest validation accuracy; on a small validation split ties are common, and then the lower
+    # validation loss (the more confident model) wins.
+    if (row["val_accuracy"], -row["val_loss"]) > (state.best_val_accuracy, -state.best_val_loss):
+        state.best_val_accuracy, state.best_val_loss = row["val_accuracy"], row["val_loss"]
+        state.best_epoch = row["epoch"]
+        if on_best is not None:  # on every process: a sharded model is gathered to save it
+            on_best(row["epoch"])
+    if complete:
+        state.epoch, state.batches_done, state.epoch_sums = state.epoch + 1, 0, [0.0, 0.0, 0.0]
+
+
+@dataclass
+class Loop:
+    """What every step of one run uses: the model and its optimizer, the settings, and where progress goes."""
+
+    model: nn.Module
+    optimizer: torch.optim.Optimizer
+    scheduler: torch.optim.lr_scheduler.LRScheduler
+    s: TrainSettings
+    env: Dist
+    device: torch.device
+    total: int  # optimizer steps the schedule runs for
+    resume_path: Path
+    identity: dict
+
+    def save_point(self, state: TrainState) -> None:
+        parts = (self.model, self.optimizer, self.scheduler, state, self.s, self.identity)
+        if sharding.is_sharded(self.model):  # every process writes its rows
+            sharding.write_parts(self.resume_path, self.env, lambda file: save_resume_point(file, *parts))
+        elif self.env.is_main:
+            save_resume_point(self.resume_path, *parts)
+
+
+def train_epoch(loop: Loop, split: Split, state: TrainState) -> bool:
+    """One epoch's optimizer steps from where `state` stands; True when it ran to its end (not the step limit)."""
+    s, env = loop.s, loop.env
+    batches = epoch_batches(len(split.ids), state.epoch, s, env)
+    bar = tqdm(
+        total=len(batches) // s.grad_accum,
+        initial=state.batches_done // s.grad_accum,
+        desc=f"epoch {state.epoch + 1}/{s.epochs}",
+        disable=not env.is_main,
+    )
+    started = time.perf_counter()
+    # Resumed after the run's last step but before that epoch's end was recorded: nothing left to step.
+    todo = range(state.batches_done, len(batches), s.grad_accum) if state.step < loop.total else range(0)
+    for k in todo:
+        sums, tokens = train_step(loop.model, split, batches[k : k + s.grad_accum], s, env, loop.device)
+        params = [p for p in loop.model.parameters() if p.requires_grad]
+        norm = nn.utils.clip_grad_norm_(params, s.clip_grad if s.clip_grad > 0 else float("inf"))
+        norm = sharding.full_tensor(norm.detach()).to(sums).view(1)  # sharded: the norm of all the rows
+        totals = distributed.all_sum(torch.cat([sums, norm])).tolist()  # one sync a step
+        check_finite(totals, state, loop.resume_path)
+        with interrupts_deferred():  # weights, optimizer, schedule and counters move together
+            loop.optimizer.step()
+            loop.scheduler.step()
+            # Freed gradients lower the next forward's peak; DDP's are views of its buckets: zeroed instead.
+            loop.optimizer.zero_grad(set_to_none=not distributed.is_replicated(loop.model))
+            state.step += 1
+            state.batches_done = k + s.grad_accum
+            state.epoch_sums = [a + b for a, b in zip(state.epoch_sums, totals[:3], strict=True)]
+            state.train_tokens += tokens  # counted with the step: a resumed run's tokens/s covers each step once
+            now = time.perf_counter()
+            state.train_seconds, started = state.train_seconds + now - started, now
+        bar.update(1)
+        bar.set_postfix(loss=f"{totals[0] / max(totals[2], 1):.4f}", lr=f"{loop.scheduler.get_last_lr()[0]:.2e}")
+        if state.step % s.save_every == 0:
+            loop.save_point(state)
+        if state.step >= loop.total:
+            break
+    bar.close()
+    return state.batches_done >= len(batches)
+
+
+def patience_spent(state: TrainState, s: TrainSettings) -> bool:
+    return bool(s.patience) and state.best_epoch >= 0 and state.epoch - state.best_epoch >= s.patience
+
+
+def more_to_do(state: TrainState, s: TrainSettings, total: int) -> bool:
+    """Steps left, or an epoch whose end was not recorded yet (a resume point saved at the last step, before its
+    evaluation); never after early stopping, so a resumed run that had stopped stays stopped."""
+    if state.epoch >= s.epochs or patience_spent(state, s):
+        return False
+    return state.step < total or state.evaluated_step != state.step
+
+
+def train(
+    model: nn.Module,
+    splits: dict[str, Split],
+    s: TrainSettings,
+    env: Dist,
+    device: torch.device,
+    out_dir: Path,
+    resume: bool = False,
+    on_best=None,
+    log=print,
+    run_identity: dict | None = None,
+) -> TrainState:
+    """Train `model` (a classifier, maybe wrapped in DDP) on splits['train'], evaluating on 'val' after each
+    epoch. `on_best(epoch)` is called on every process when validation accuracy improves (rank 0 saves).
+    `run_identity` (model, data, world size, ...) is stored with each resume point; resuming under another refuses.
+    """
+    steps_per_epoch = check_enough_data(len(splits["train"].ids), s, env)
+    total = steps_per_epoch * s.epochs if s.max_steps is None else min(s.max_steps, steps_per_epoch * s.epochs)
+    optimizer = make_optimizer(model, s)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: lr_factor(step, total, s))
+    identity = {"world_size": env.world_size, **(run_identity or {})}
+    where = sharding.resume_location(out_dir / RESUME_FILE, out_dir / RESUME_DIR, model, resume)
+    loop = Loop(model, optimizer, scheduler, s, env, device, total, where, identity)
+    state = TrainState()
+    point = sharding.part_path(where, env) if where.name == RESUME_DIR and where.exists() else where
+    if resume and point.exists():
+        state = load_resume_point(point, model, optimizer, scheduler, s, identity)
+        log(f"resuming from {loop.resume_path}: epoch {state.epoch + 1}, step {state.step}")
+    elif resume:
+        log(f"--resume: no resume point at {loop.resume_path}; starting from the beginning")
+    model.train()
+    try:
+        while more_to_do(state, s, total):
+            complete = train_epoch(loop, splits["train"], state)
+            val = evaluate(model, splits["val"], s, env, device, "evaluating val")
+            with interrupts_deferred():  # the epoch's record, best weights and resume point: all or nothing
+                finish_epoch(state, val, complete, on_best, env, log)
+                loop.save_point(state)
+            if not complete:
+                break  # max_steps reached inside the epoch
+            if patience_spent(state, s):
+                log(f"stopping early: no better validation result in the last {s.patience} epoch(s) (--patience)")
+                break
+    except KeyboardInterrupt:
+        # Gradients of an unfinished step are discarded: the saved point is the last whole step.
+        loop.save_point(state)
+        log(f"\ninterrupted at step {state.step}: progress saved to {loop.resume_path}")
+        raise
+    return state

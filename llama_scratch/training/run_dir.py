@@ -1,0 +1,287 @@
+"""A fine-tuning run's output directory: which files are ours, what state the run is in, and its results as a set.
+
+An output directory is new (missing or empty), or ours: it holds only files that a run writes. Ours is either
+unfinished (a resume point is there: continue with --resume, or restart with --overwrite) or finished
+(`classifier.json` is there: --overwrite to replace it). A directory holding anything else is refused whatever
+the flags say, so pointing --output at the wrong folder never overwrites or deletes a file we did not write.
+
+While a run trains, the directory holds only work files (the resume point and the best weights so far). The
+results appear at the end, `classifier.json` last; each result carries the run's id, and `classify` checks that
+the weights and `classifier.json` share it, so files of two runs are never taken for one.
+"""
+
+from __future__ import annotations
+
+import csv
+import io
+import json
+import os
+import re
+import shlex
+import shutil
+import time
+import uuid
+from pathlib import Path
+
+from ..checkpoints.atomic import write_atomic, write_text_atomic
+from ..checkpoints.hf_layout import RUN_MARKER
+from ..parallel import distributed
+from ..parallel.distributed import Dist
+from ..parallel.sharding import is_resume_dir
+from .loop import RESUME_DIR, RESUME_FILE
+
+RUNS_DIR = Path("runs")  # where runs go when --output is not given
+BEST_FILE = "best.safetensors"  # the best trained weights so far, while the run trains
+FLAGS_FILE = "run_flags.json"  # the flags the run was started with: `--resume --output RUN` needs no others
+RESULT_WEIGHTS = "classifier.safetensors"
+WORK_FILES = (RESUME_FILE, BEST_FILE, RESUME_DIR, FLAGS_FILE)
+RESULT_FILES = (
+    RESULT_WEIGHTS,
+    "history.csv",
+    "history.png",
+    "confusion.png",
+    "metrics.json",
+    "classifier.json",
+)
+MARKER = RUN_MARKER  # written when a run starts: only a directory holding it is ours to clear
+_OUR_TEMP = re.compile(rf"\.({'|'.join(map(re.escape, WORK_FILES + RESULT_FILES))})\.\d+\.tmp")  # write_atomic's
+
+
+class OutputError(ValueError):
+    """An output directory this run may not use (the message says which flag, if any, would allow it)."""
+
+
+def new_run_id() -> str:
+    return uuid.uuid4().hex
+
+
+def _ours(entry: Path) -> bool:
+    """A plain file by one of the names a run writes, or a sharded resume point holding only its parts (the names
+    alone prove nothing without the marker)."""
+    name = entry.name
+    if name == RESUME_DIR and entry.is_dir() and not entry.is_symlink():
+        return is_resume_dir(entry)
+    known = name in WORK_FILES or name in RESULT_FILES or name == MARKER or bool(_OUR_TEMP.fullmatch(name))
+    return known and entry.is_file() and not entry.is_symlink()
+
+
+def remove_ours(path: Path) -> None:
+    """Remove a file or sharded resume point this tool wrote (see `_ours`); nothing if absent."""
+    if path.is_dir() and _ours(path):
+        shutil.rmtree(path)
+    elif path.is_file():
+        path.unlink()
+
+
+def check_output(out: Path, resume: bool, overwrite: bool) -> str:
+    """Whether this run may use `out`, decided before anything is loaded: 'new', 'unfinished' or 'finished'.
+
+    Raises OutputError for a directory that holds anything we did not write (always: a non-empty directory without
+    our marker is not ours at all), an unfinished run without --resume/--overwrite, and a finished run without
+    --overwrite.
+    """
+    if out.exists() and not out.is_dir():
+        raise OutputError(f"--output {out} is a file, not a directory")
+    entries = sorted(out.iterdir()) if out.is_dir() else []
+    names = [e.name for e in entries]
+    foreign = names if entries and MARKER not in names else [e.name for e in entries if not _ours(e)]
+    if foreign:  # without our marker nothing in it is ours, whatever the names (metrics.json is a common name)
+        shown = ", ".join(foreign[:5]) + (f" and {len(foreign) - 5} more" if len(foreign) > 5 else "")
+        legacy = (
+            " (checkpoint.pt of an older version is a pickle and is never loaded)" if "checkpoint.pt" in names else ""
+        )
+        raise OutputError(
+            f"--output {out} holds files this tool did not write ({shown}){legacy}; choose a new or empty directory"
+        )
+    if RESUME_FILE in names or BEST_FILE in names or RESUME_DIR in names:
+        if not (resume or overwrite):
+            raise OutputError(f"{out} holds an unfinished run: pass --resume to continue it or --overwrite to restart")
+        return "unfinished"
+    if "classifier.json" in names:
+        if not overwrite:
+            hint = "; it has nothing left to resume" if resume else ""
+            raise OutputError(
+                f"{out} holds a finished run{hint}: pass --overwrite to replace it, or choose another --output"
+            )
+        return "finished"
+    return "new"
+
+
+def clear_run(out: Path) -> None:
+    """Remove an earlier run's files (`check_output` has refused any directory holding others, or no marker)."""
+    if out.is_dir():
+        for path in out.iterdir():
+            if _ours(path) and path.name != MARKER:
+                remove_ours(path)
+
+
+def latest_run(runs: Path = RUNS_DIR) -> Path:
+    """What `--resume` without `--output` continues: the run runs/latest points at."""
+    if not (runs / "latest").exists():
+        raise OutputError(f"--resume without --output continues {runs}/latest, which does not exist; pass --output")
+    return (runs / "latest").resolve()
+
+
+def read_flags(out: Path) -> dict | None:
+    """The flags the run in `out` was started with (None: no record, as in a run of an older version)."""
+    path = out / FLAGS_FILE
+    if not path.is_file():
+        return None
+    try:
+        flags = json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise OutputError(f"{path} is not readable JSON ({e}); resume with every flag given, or --overwrite") from None
+    if not isinstance(flags, dict):
+        raise OutputError(f"{path} does not hold the run's flags; resume with every flag given, or --overwrite")
+    return flags
+
+
+def has_resume_point(out: Path) -> bool:
+    """Whether `out` holds progress to continue (a resume point, single or sharded)."""
+    return (out / RESUME_FILE).is_file() or (out / RESUME_DIR).is_dir()
+
+
+def interrupted(out: Path | None, phase: str) -> str:
+    """What a Ctrl-C (or SIGTERM) while `phase` leaves in `out` (None: not made yet), and the command that continues
+    from it: `--resume --output OUT` alone, since the run's flags are kept there."""
+    if out is None:
+        return f"interrupted while {phase}: nothing was written; run the same command to start again"
+    flags = f"--resume --output {shlex.quote(str(out))}"
+    torchrun = "WORLD_SIZE" in os.environ  # launched by torchrun: its own flags must be given again
+    again = f"{'the same torchrun command with' if torchrun else 'python -m llama_scratch.finetune_classifier'} {flags}"
+    if has_resume_point(out):
+        return f"interrupted while {phase}; continue with: {again}"
+    return (
+        f"interrupted while {phase}, before the first training step: nothing was trained yet. {out}/ keeps the "
+        f"run's flags; start it again with: {again}"
+    )
+
+
+def default_output(model_ref: str, data: str, runs: Path = RUNS_DIR) -> Path:
+    """A new directory per run, named for the model, the data file (with its type: x.csv and x.jsonl differ) and
+    the time, so that no run lands in another's folder."""
+    name = Path(data).name.replace(".", "-")
+    base = runs / f"{Path(model_ref).name}-{name}-{time.strftime('%Y%m%d-%H%M%S')}"
+    out, n = base, 1
+    while out.exists():  # two runs started within the same second
+        n += 1
+        out = base.with_name(f"{base.name}-{n}")
+    return out
+
+
+def point_latest(out: Path) -> None:
+    """runs/latest -> the newest run's directory, so `classify --checkpoint runs/latest` finds it. Only a link
+    we made is replaced; a file or directory of that name that someone else put there is left alone."""
+    latest = out.parent / "latest"
+    if latest.exists() and not latest.is_symlink():
+        return
+    tmp = out.parent / f".latest.{os.getpid()}.tmp"
+    try:
+        tmp.unlink(missing_ok=True)
+        tmp.symlink_to(out.name, target_is_directory=True)
+        os.replace(tmp, latest)
+    except OSError:  # a filesystem without symbolic links: the run is still in its own folder
+        tmp.unlink(missing_ok=True)
+
+
+def base_model_record(model_ref: str, repo_id: str | None, out: Path) -> dict:
+    """Where classify finds the base model again: the path as given (absolute), the path relative to the run (a
+    run moved together with its weights still works), and the Hub repo id it came from, if any."""
+    path = Path(model_ref)
+    if not path.exists():  # a preset: nothing on disk
+        return {"base_model": model_ref}
+    record = {"base_model": str(path.resolve()), "base_model_relative": os.path.relpath(path.resolve(), out.resolve())}
+    return record | ({"base_model_repo": repo_id} if repo_id else {})
+
+
+def history_csv(rows: list[dict]) -> str:
+    buf = io.StringIO()
+    if rows:
+        writer = csv.DictWriter(buf, fieldnames=list(rows[0]))
+        writer.writeheader()
+        writer.writerows(rows)
+    return buf.getvalue()
+
+
+def _pyplot():
+    """matplotlib's pyplot, drawing to files only. Imported when a run ends, not when the command starts: it
+    takes about half a second."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def plot_history(rows: list[dict], path: Path, best_epoch: int | None = None) -> None:
+    """history.png: loss and accuracy per epoch, training and validation, with the epoch whose weights the run kept
+    marked (the final figures are that epoch's, not necessarily the last one's)."""
+    plt = _pyplot()
+    epochs = [r["epoch"] for r in rows]
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(9, 3.5))
+    for split in ("train", "val"):
+        ax1.plot(epochs, [r[f"{split}_loss"] for r in rows], marker="o", label=split)
+        ax2.plot(epochs, [r[f"{split}_accuracy"] for r in rows], marker="o", label=split)
+    for ax, what in ((ax1, "loss"), (ax2, "accuracy")):
+        ax.set(xlabel="epoch", ylabel=what, title=what)
+        # Whole epochs only, half an epoch of margin: one epoch alone would otherwise get an axis from 0.96 to 1.04.
+        ax.set_xticks(epochs)
+        ax.set_xlim(min(epochs, default=1) - 0.5, max(epochs, default=1) + 0.5)
+        if best_epoch in epochs:
+            ax.axvline(best_epoch, color="grey", linestyle="--", linewidth=1, label=f"kept (epoch {best_epoch})")
+    ax1.legend()
+    fig.tight_layout()
+    write_atomic(path, lambda tmp: fig.savefig(tmp, format="png", dpi=100))
+    plt.close(fig)
+
+
+def plot_confusion(confusion: list[list[int]], names: list[str], path: Path) -> None:
+    """confusion.png: the test split's confusion matrix, true classes down, predicted across, counts written in."""
+    plt = _pyplot()
+    k = len(names)
+    size = min(3 + 0.5 * k, 12)
+    fig, ax = plt.subplots(figsize=(size, size))
+    ax.imshow(confusion, cmap="Blues")
+    if k <= 30:  # beyond that, labels and counts would only overlap
+        ax.set_xticks(range(k), names, rotation=45, ha="right")
+        ax.set_yticks(range(k), names)
+        top = max(max(row) for row in confusion) or 1
+        for i, row in enumerate(confusion):
+            for j, n in enumerate(row):
+                ax.text(j, i, str(n), ha="center", va="center", color="white" if n > top / 2 else "black")
+    ax.set(xlabel="predicted", ylabel="true", title="test confusion matrix")
+    fig.tight_layout()
+    write_atomic(path, lambda tmp: fig.savefig(tmp, format="png", dpi=100))
+    plt.close(fig)
+
+
+def write_results(out: Path, run_id: str, metrics: dict, meta: dict, history: list[dict]) -> None:
+    """The results as a set, after classifier.safetensors (written by every process: a sharded model is gathered),
+    classifier.json (what classify reads first) last, all tied by one run id; then the run's working files go."""
+    metrics["run_id"] = meta["run_id"] = run_id
+    write_text_atomic(out / "history.csv", history_csv(history))
+    plot_history(history, out / "history.png", metrics.get("best_epoch"))
+    plot_confusion(metrics["test_confusion"], metrics["label_names"], out / "confusion.png")
+    write_text_atomic(out / "metrics.json", json.dumps(metrics, indent=2) + "\n")
+    write_text_atomic(out / "classifier.json", json.dumps(meta, indent=2) + "\n")
+    for name in (BEST_FILE, FLAGS_FILE, RESUME_FILE, RESUME_DIR):  # spent; the resume point last: a crash here
+        # reads "unfinished"
+        remove_ours(out / name)
+
+
+def start_output(out: Path, resume: bool, pointed: bool, env: Dist, flags: dict) -> None:
+    """A fresh run clears what an earlier run of ours left in `out` (check_output has refused anything else), and
+    records the flags it was started with (a resumed run keeps the record it was started with)."""
+    distributed.barrier()
+    if env.is_main:
+        if not resume:
+            clear_run(out)
+        out.mkdir(parents=True, exist_ok=True)
+        if not (out / MARKER).exists():
+            write_text_atomic(out / MARKER, "llama_scratch fine-tuning run: this tool may replace the files here\n")
+        if not (out / FLAGS_FILE).exists():
+            write_text_atomic(out / FLAGS_FILE, json.dumps(flags, indent=2) + "\n")
+        if pointed:  # a default output folder: runs/latest points at it
+            point_latest(out)
+    distributed.barrier()
