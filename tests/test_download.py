@@ -21,7 +21,7 @@ from llama_scratch.checkpoints import gguf
 from llama_scratch.checkpoints.gguf import convert_gguf
 from llama_scratch.checkpoints.hf_layout import foreign_entries, replaceable, written_by_us
 from llama_scratch.convert_gguf import main as convert_main
-from llama_scratch.download import DownloadError
+from llama_scratch.sources.fetch import DownloadError
 from llama_scratch.sources import fetch as download
 
 REPO = "meta-llama/Llama-3.2-1B"
