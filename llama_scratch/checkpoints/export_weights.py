@@ -58,8 +58,12 @@ class Lora:
         if entry is None:
             return None
         try:  # parse_targets refuses a name lora.py does not know, so `modules` never meets one
-            lora = cls(int(entry["rank"]), float(entry["alpha"]), tuple(map(int, entry["blocks"])),
-                       parse_targets(list(map(str, entry["targets"]))))  # fmt: skip
+            lora = cls(
+                int(entry["rank"]),
+                float(entry["alpha"]),
+                tuple(map(int, entry["blocks"])),
+                parse_targets(list(map(str, entry["targets"]))),
+            )
         except (KeyError, TypeError, ValueError) as e:
             raise CheckpointError(f"{source}: 'lora' needs rank, alpha, blocks and targets ({e})") from None
         if lora.rank < 1:
@@ -121,8 +125,9 @@ def run_tensors(weights: Path) -> tuple[dict[str, TensorInfo], dict[str, dict[st
     return trained, adapters
 
 
-def plan_export(cfg: LlamaConfig, num_classes: int, weights: Path, base: Path | None,
-                lora: Lora | None) -> list[Planned]:  # fmt: skip
+def plan_export(
+    cfg: LlamaConfig, num_classes: int, weights: Path, base: Path | None, lora: Lora | None
+) -> list[Planned]:
     """Each output tensor with its sources: the run's trained tensor, else the base's; every problem (a tensor
     missing, unknown or of the wrong shape, an adapter that does not fit) in one CheckpointError."""
     expected = expected_shapes(cfg, num_classes)
@@ -145,8 +150,9 @@ def plan_export(cfg: LlamaConfig, num_classes: int, weights: Path, base: Path | 
     ]
 
 
-def adapter_problems(adapters: dict[str, dict[str, TensorInfo]], lora: Lora | None,
-                     expected: dict[str, tuple[int, ...]], weights: Path) -> list[str]:  # fmt: skip
+def adapter_problems(
+    adapters: dict[str, dict[str, TensorInfo]], lora: Lora | None, expected: dict[str, tuple[int, ...]], weights: Path
+) -> list[str]:
     """What keeps the adapters from an exact merge: settings and tensors that disagree, a half, a wrong shape."""
     if lora is None:
         return [f"{weights} holds LoRA adapters but classifier.json has no 'lora' settings"] if adapters else []
@@ -199,8 +205,9 @@ def shard(planned: list[Planned], dtype: torch.dtype, max_shard_bytes: int) -> l
     return shards
 
 
-def write_weights(out: Path, planned: list[Planned], dtype: torch.dtype, lora: Lora | None,
-                  max_shard_bytes: int, log=print) -> list[str]:  # fmt: skip
+def write_weights(
+    out: Path, planned: list[Planned], dtype: torch.dtype, lora: Lora | None, max_shard_bytes: int, log=print
+) -> list[str]:
     """model.safetensors, or shards and their index, in `out`; returns the file names written."""
     shards = shard(planned, dtype, max_shard_bytes)
     if len(shards) == 1:
@@ -215,6 +222,7 @@ def write_weights(out: Path, planned: list[Planned], dtype: torch.dtype, lora: L
         return names
     total = sum(math.prod(p.shape) * dtype.itemsize for p in planned)
     weight_map = {p.name: name for items, name in zip(shards, names, strict=True) for p in items}
-    write_text_atomic(out / INDEX, json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map},
-                                              indent=2) + "\n")  # fmt: skip
+    write_text_atomic(
+        out / INDEX, json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2) + "\n"
+    )
     return [*names, INDEX]

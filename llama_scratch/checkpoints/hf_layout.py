@@ -266,8 +266,15 @@ def _shard_names(index: Path) -> list[str]:
 
 
 # The weights, their index, the config and the tokenizer; not the original .pth files or other formats.
-ALLOW_PATTERNS = ["*.safetensors", "model.safetensors.index.json", "config.json", "generation_config.json",
-                  "original/tokenizer.model", "tokenizer.json", "tokenizer_config.json"]  # fmt: skip
+ALLOW_PATTERNS = [
+    "*.safetensors",
+    "model.safetensors.index.json",
+    "config.json",
+    "generation_config.json",
+    "original/tokenizer.model",
+    "tokenizer.json",
+    "tokenizer_config.json",
+]
 
 
 # --- writing safetensors files ---------------------------------------------------------------------------------------
@@ -295,14 +302,19 @@ def write_safetensors(path: Path, entries: list[TensorToWrite], metadata: dict[s
     unknown = sorted({str(e.dtype) for e in entries if e.dtype not in _DTYPE_NAMES})
     strings = all(isinstance(v, str) for v in metadata.values())
     if unknown or len(set(names)) != len(names) or "__metadata__" in names or not strings:
-        raise ValueError(f"{path}: not writable as safetensors: names must be unique and not __metadata__, metadata "
-                         f"values strings ({metadata}), dtypes known (not {', '.join(unknown) or '-'})")  # fmt: skip
+        raise ValueError(
+            f"{path}: not writable as safetensors: names must be unique and not __metadata__, metadata "
+            f"values strings ({metadata}), dtypes known (not {', '.join(unknown) or '-'})"
+        )
     header: dict[str, object] = {"__metadata__": metadata}
     offset = 0
     for e in entries:
         nbytes = math.prod(e.shape) * e.dtype.itemsize
-        header[e.name] = {"dtype": _DTYPE_NAMES[e.dtype], "shape": list(e.shape), "data_offsets": [offset,
-                          offset + nbytes]}  # fmt: skip
+        header[e.name] = {
+            "dtype": _DTYPE_NAMES[e.dtype],
+            "shape": list(e.shape),
+            "data_offsets": [offset, offset + nbytes],
+        }
         offset += nbytes
     raw = json.dumps(header, separators=(",", ":")).encode()
     raw += b" " * (-len(raw) % 8)  # the data starts 8-byte aligned, as safetensors itself writes it

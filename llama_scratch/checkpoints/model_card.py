@@ -83,8 +83,11 @@ def results(metrics: dict) -> str:
     """Accuracy and loss per split, and the test split per class, from metrics.json."""
     if not metrics:
         return "## Results\n\nThe run has no metrics.json."
-    rows = [f"| {k} | {metrics[f'{k}_accuracy']:.2%} | {metrics[f'{k}_loss']:.4f} |"
-            for k in ("train", "val", "test") if f"{k}_accuracy" in metrics]  # fmt: skip
+    rows = [
+        f"| {k} | {metrics[f'{k}_accuracy']:.2%} | {metrics[f'{k}_loss']:.4f} |"
+        for k in ("train", "val", "test")
+        if f"{k}_accuracy" in metrics
+    ]
     text = "## Results\n\n| split | accuracy | loss |\n| --- | --- | --- |\n" + "\n".join(rows)
     if per_class := metrics.get("test_per_class"):
         text += "\n\nTest split per class:\n\n| label | precision | recall | F1 | support |\n"
@@ -102,16 +105,23 @@ def training(meta: dict, metrics: dict, dtype: torch.dtype) -> str:
     trained = "every weight" if last is None else f"the head, the final norm and the last {last} blocks"
     lines = [f"- base model: {base_name(meta)}", f"- trained: {trained}"]
     if lora := meta.get("lora"):
-        lines.append(f"- LoRA: rank {lora['rank']}, alpha {lora['alpha']}, targets {', '.join(lora['targets'])}, "
-                     f"blocks {', '.join(map(str, lora['blocks']))} (merged into the weights here)")  # fmt: skip
-    lines.append(f"- texts cut to {meta['max_length']} tokens in training; trained in {meta['dtype']}, exported in "
-                 f"{str(dtype).removeprefix('torch.')}")  # fmt: skip
+        lines.append(
+            f"- LoRA: rank {lora['rank']}, alpha {lora['alpha']}, targets {', '.join(lora['targets'])}, "
+            f"blocks {', '.join(map(str, lora['blocks']))} (merged into the weights here)"
+        )
+    lines.append(
+        f"- texts cut to {meta['max_length']} tokens in training; trained in {meta['dtype']}, exported in "
+        f"{str(dtype).removeprefix('torch.')}"
+    )
     if "steps" in metrics:
         steps = metrics["steps"]
         lines.append(f"- {steps:,} optimizer step{'s' if steps != 1 else ''}, best epoch {metrics.get('best_epoch')}")
     settings = meta.get("settings") or {}
-    shown = {k: v for k, v in settings.items() if k in ("epochs", "batch_size", "grad_accum", "lr", "weight_decay",
-             "warmup", "schedule", "seed", "max_steps")}  # fmt: skip
+    shown = {
+        k: v
+        for k, v in settings.items()
+        if k in ("epochs", "batch_size", "grad_accum", "lr", "weight_decay", "warmup", "schedule", "seed", "max_steps")
+    }
     if shown:
         lines.append("- settings: " + ", ".join(f"{k} {v}" for k, v in shown.items()))
     return "## Training\n\n" + "\n".join(lines)

@@ -119,8 +119,9 @@ def load_weights(
 LOAD_BAR = "{desc}: {percentage:3.0f}%|{bar:20}| {n_fmt}B of {total_fmt}B{postfix} [{elapsed_s:.1f} s]"
 
 
-def _stream(files: list[Path], entries: dict, params: dict, aliases: dict, device, mmap: bool, show: bool,
-            report: LoadReport) -> None:  # fmt: skip
+def _stream(
+    files: list[Path], entries: dict, params: dict, aliases: dict, device, mmap: bool, show: bool, report: LoadReport
+) -> None:
     """Every tensor into its parameter, file by file in the order the bytes lie on disk, with a progress bar."""
     total = sum(e.nbytes for e in entries.values())
     staging = Staging(max((e.nbytes for e in entries.values()), default=0), device)
@@ -227,8 +228,9 @@ class Staging:
                 done.synchronize()
 
 
-def _load_one(fh, e: TensorInfo, param: nn.Parameter, aliases: dict, device: torch.device | None, mapped,
-              staging: Staging) -> None:  # fmt: skip
+def _load_one(
+    fh, e: TensorInfo, param: nn.Parameter, aliases: dict, device: torch.device | None, mapped, staging: Staging
+) -> None:
     target = device or (param.device if not param.is_meta else torch.device("cpu"))
     in_place = not param.is_meta and param.device == target and param.is_contiguous()
     # safetensors aligns each tensor's data to its dtype; a file from a writer that did not gets a copy instead

@@ -178,8 +178,10 @@ def choose_columns(
 def column_number(given: str, width: int, name: str, header: list[str]) -> int:
     if INTEGER.fullmatch(given.strip()) and 0 <= int(given) < width:
         return int(given)
-    raise DataError(f"{name}: no column {given!r}: the first row {header} is not a header, so columns are 0-based "
-                    f"numbers below {width}")  # fmt: skip
+    raise DataError(
+        f"{name}: no column {given!r}: the first row {header} is not a header, so columns are 0-based "
+        f"numbers below {width}"
+    )
 
 
 def jsonl_rows(

@@ -102,9 +102,16 @@ def shard_model(clf: LlamaClassifier, mesh: DeviceMesh, reduce_dtype: torch.dtyp
     register_fsdp_forward_method(clf, "frozen_prefix")
 
 
-def sharded_classifier(ref: str, dtype: torch.dtype, num_classes: int, train_last: int | None,
-                       lora: LoRASettings | None, mesh: DeviceMesh, device: torch.device,
-                       progress: bool) -> LlamaClassifier:  # fmt: skip
+def sharded_classifier(
+    ref: str,
+    dtype: torch.dtype,
+    num_classes: int,
+    train_last: int | None,
+    lora: LoRASettings | None,
+    mesh: DeviceMesh,
+    device: torch.device,
+    progress: bool,
+) -> LlamaClassifier:
     """The classifier built on the meta device, sharded, then filled: from a checkpoint, each process reads only its
     rows (`load_sharded`); a preset's random weights are drawn whole on each process (the same draw everywhere,
     as one process draws them: a preset is small or a test) and cut to its rows by `fully_shard`."""
@@ -197,8 +204,9 @@ def row_slice(e: TensorInfo, start: int, stop: int) -> TensorInfo:
     return TensorInfo(e.name, e.file, e.dtype, shape, e.offset + start * row_bytes, (stop - start) * row_bytes)
 
 
-def load_sharded(clf: LlamaClassifier, path, device: torch.device, fresh: dict[str, torch.Tensor],
-                 progress: bool = True) -> LoadReport:  # fmt: skip
+def load_sharded(
+    clf: LlamaClassifier, path, device: torch.device, fresh: dict[str, torch.Tensor], progress: bool = True
+) -> LoadReport:
     """Fill a sharded classifier built on the meta device: each process reads from the checkpoint files only its
     own rows of each tensor, one tensor at a time, straight into its shard on `device` (peak memory: its shards
     plus one tensor's rows). Parameters no checkpoint holds come from `fresh` (see `fresh_values`)."""
@@ -210,12 +218,16 @@ def load_sharded(clf: LlamaClassifier, path, device: torch.device, fresh: dict[s
     in_files = {n: p for n, p in backbone.items() if f"backbone.{n}" not in fresh}
     entries, unexpected = match_tensors(files, in_files, report)
     entries.pop("lm_head.weight", None) if "lm_head.weight" not in in_files else None
-    missing = [n for n in in_files if n not in entries] + [n for n in params if n not in fresh and
-                                                            not n.startswith("backbone.")]  # fmt: skip
+    missing = [n for n in in_files if n not in entries] + [
+        n for n in params if n not in fresh and not n.startswith("backbone.")
+    ]
     wrong = [n for n, e in entries.items() if tuple(in_files[n].shape) != e.shape]
     if missing or unexpected or wrong:
-        problems = [f"missing {', '.join(missing)}" if missing else "", f"unexpected {len(unexpected)} tensors"
-                    if unexpected else "", f"wrong shapes {', '.join(wrong)}" if wrong else ""]  # fmt: skip
+        problems = [
+            f"missing {', '.join(missing)}" if missing else "",
+            f"unexpected {len(unexpected)} tensors" if unexpected else "",
+            f"wrong shapes {', '.join(wrong)}" if wrong else "",
+        ]
         raise CheckpointError(f"{path}: " + "; ".join(p for p in problems if p))
     clf.to_empty(device=device)  # this process's shards, uninitialised; the rotary tables are recomputed
     for name, value in fresh.items():
@@ -261,8 +273,11 @@ def scatter_from_main(named: dict[str, torch.Tensor], source: Callable[[str], to
     disk."""
     for name, t in named.items():
         start, stop = local_rows(t)
-        whole = source(name).to(t.device, t.dtype) if env.is_main else torch.empty(t.shape, dtype=t.dtype,
-                                                                                    device=local(t).device)  # fmt: skip
+        whole = (
+            source(name).to(t.device, t.dtype)
+            if env.is_main
+            else torch.empty(t.shape, dtype=t.dtype, device=local(t).device)
+        )
         if env.enabled:
             dist.broadcast(whole, src=0)
         with torch.no_grad():
@@ -331,8 +346,10 @@ def write_parts(directory: Path, env: Dist, write_part) -> None:
     complete = len([f for f in new.iterdir() if PART.fullmatch(f.name)]) == env.world_size
     distributed.barrier()  # every process has looked before rank 0 moves on
     if not complete:  # every process sees alike, and raises alike
-        raise ResumeError(f"{new} does not hold every process's part: a sharded run's --output must be on a disk that "
-                          "every machine shares")  # fmt: skip
+        raise ResumeError(
+            f"{new} does not hold every process's part: a sharded run's --output must be on a disk that "
+            "every machine shares"
+        )
     if env.is_main:
         write_text_atomic(directory / CURRENT, new.name + "\n")
         for old in directory.iterdir():
@@ -371,8 +388,10 @@ def resume_location(single: Path, parts: Path, model: nn.Module, resuming: bool)
             raise ResumeError(f"{other} was saved by a run without --shard: resume it without --shard")
         point = (parts / CURRENT).read_text().strip() if (parts / CURRENT).is_file() else ""
         n = len([f for f in (parts / point).iterdir() if PART.fullmatch(f.name)]) if POINT.fullmatch(point) else 0
-        raise ResumeError(f"{other} was saved by a sharded run of {n or 'several'} processes: resume it with --shard "
-                          f"under torchrun with {n or 'as many'} processes")  # fmt: skip
+        raise ResumeError(
+            f"{other} was saved by a sharded run of {n or 'several'} processes: resume it with --shard "
+            f"under torchrun with {n or 'as many'} processes"
+        )
     return mine
 
 
@@ -387,8 +406,10 @@ def part_path(directory: Path, env: Dist) -> Path:
     saved = sorted(f.name for f in (directory / name).iterdir() if PART.fullmatch(f.name))
     if not mine.exists():
         n = saved[0].split("-of-")[1].split(".")[0].lstrip("0") if saved else "no"
-        raise ResumeError(f"{directory} was saved by {n} processes, this run has {env.world_size}: resume a sharded "
-                          "run with the same number of processes")  # fmt: skip
+        raise ResumeError(
+            f"{directory} was saved by {n} processes, this run has {env.world_size}: resume a sharded "
+            "run with the same number of processes"
+        )
     return mine
 
 
@@ -403,5 +424,6 @@ def as_sharded(record: dict, model: nn.Module, optimizer) -> None:
         if 0 <= i < len(stepped):
             state["state"][i] = {k: like_param(v, stepped[i]) if torch.is_tensor(v) else v for k, v in entry.items()}
     if "master_weights" in state:
-        state["master_weights"] = [like_param(m, p) for m, p in zip(state["master_weights"], optimizer.masters,
-                                                                     strict=True)]  # fmt: skip
+        state["master_weights"] = [
+            like_param(m, p) for m, p in zip(state["master_weights"], optimizer.masters, strict=True)
+        ]

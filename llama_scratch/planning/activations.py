@@ -52,9 +52,14 @@ def projection_inputs_bytes(
 
 
 def block_saved_bytes(
-    cfg: LlamaConfig, batch: int, seq: int, itemsize: int, input_grad: bool, device_type: str,
+    cfg: LlamaConfig,
+    batch: int,
+    seq: int,
+    itemsize: int,
+    input_grad: bool,
+    device_type: str,
     lora: LoRASettings | None = None,
-) -> int:  # fmt: skip
+) -> int:
     """Bytes one trained block saves for backward (see model.Block), at parameter size `itemsize`.
 
     `input_grad`: whether the block's input needs a gradient. The lowest trained block's input comes from frozen
@@ -79,9 +84,14 @@ def block_saved_bytes(
 
 
 def last_block_saved_bytes(
-    cfg: LlamaConfig, batch: int, seq: int, itemsize: int, input_grad: bool, device_type: str,
+    cfg: LlamaConfig,
+    batch: int,
+    seq: int,
+    itemsize: int,
+    input_grad: bool,
+    device_type: str,
     lora: LoRASettings | None = None,
-) -> int:  # fmt: skip
+) -> int:
     """Bytes the classifier's last block saves. It runs only where the classifier reads it (`Block` with
     `query_rows`): its attention norm and keys and values at every position, the rest at each row's last real token."""
     n, b, d, f = batch * seq, batch, cfg.dim, cfg.ffn_dim

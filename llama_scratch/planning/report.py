@@ -60,26 +60,32 @@ def trained_text(r: Recipe) -> str:
     return trained if r.lora is None else f"LoRA rank {r.lora.rank} ({','.join(r.lora.targets)}) in the {trained}"
 
 
+def plan_heading(plan: MemoryPlan) -> list[str]:
+    """The plan's first lines: the recipe it was made for, and the parameters counted."""
+    r, c = plan.recipe, plan.counts
+    dtype = str(r.param_dtype).removeprefix("torch.")
+    ckpt = ", gradient checkpointing" if r.gradient_checkpointing else ""
+    adapters = c.total - c.backbone - c.head
+    parts = f"{c.backbone:,} backbone + " + (f"{adapters:,} LoRA adapters + " if adapters else "") + f"{c.head:,} head"
+    per = "GPU" if r.device_type == "cuda" else "process (CPU)"
+    return [
+        f"Memory plan per {per}: batch {r.batch_size} x {r.seq_len} tokens, train {trained_text(r)}{ckpt}, {dtype}, "
+        f"world size {r.world_size}"
+        + (f" on {r.nodes} nodes ({r.per_node} each)" if r.nodes > 1 else "")
+        + (f", sharded (FSDP2) across {r.shard_group or r.world_size}" if r.shard else ""),
+        f"  parameters {c.total:,} ({parts}); training {c.trainable:,}",
+        "",
+        f"  {'part':<28}{'size':>13}   what",
+    ]
+
+
 def format_plan(plan: MemoryPlan, gpu: tuple[str, int] | None = None) -> str:
     """A readable table: each part, the phases, the peak, and whether it fits `gpu` (name, bytes)."""
     r, c = plan.recipe, plan.counts
     s = r.param_dtype.itemsize
     dtype = str(r.param_dtype).removeprefix("torch.")
-    trained = trained_text(r)
     state = f"AdamW moments in {dtype}" if r.optimizer_state == "param" or s == FP32 else "float32 master + moments"
-    ckpt = ", gradient checkpointing" if r.gradient_checkpointing else ""
-    adapters = c.total - c.backbone - c.head
-    parts = f"{c.backbone:,} backbone + " + (f"{adapters:,} LoRA adapters + " if adapters else "") + f"{c.head:,} head"
-    per = "GPU" if r.device_type == "cuda" else "process (CPU)"
-    lines = [
-        f"Memory plan per {per}: batch {r.batch_size} x {r.seq_len} tokens, train {trained}{ckpt}, {dtype}, "
-        f"world size {r.world_size}"
-        + (f" on {r.nodes} nodes ({r.per_node} each)" if r.nodes > 1 else "")
-        + (f", sharded (FSDP2) across {r.shard_group or r.world_size}" if r.shard else ""),  # fmt: skip
-        f"  parameters {c.total:,} ({parts}); training {c.trainable:,}",
-        "",
-        f"  {'part':<28}{'size':>13}   what",
-    ]
+    lines = plan_heading(plan)
 
     def row(name: str, n: int, what: str) -> None:
         lines.append(f"  {name:<28}{_gib(n)}   {what}")
@@ -115,8 +121,13 @@ def format_plan(plan: MemoryPlan, gpu: tuple[str, int] | None = None) -> str:
     for phase, n in plan.phases.items():
         mark = "  <- peak" if phase == plan.peak_phase else ""
         row(f"peak in {phase}", persistent + n, f"weights + state + {n / GiB:.2f} GiB{mark}")
-    row("PEAK", plan.peak, "max_memory_allocated() should come out near this" if r.device_type == "cuda" else
-        "bytes of live tensors (on CPU the allocator adds its own overhead)")  # fmt: skip
+    row(
+        "PEAK",
+        plan.peak,
+        "max_memory_allocated() should come out near this"
+        if r.device_type == "cuda"
+        else "bytes of live tensors (on CPU the allocator adds its own overhead)",
+    )
     nccl = f" + {plan.collectives / GiB:.2f} GiB (NCCL buffers, several GPUs)" if plan.collectives else ""
     row("needed", plan.required(), f"peak + 5% + 0.5 GiB (CUDA context, allocator fragmentation){nccl}")
     return "\n".join(lines + verdict_lines(plan, gpu))

@@ -272,8 +272,9 @@ def _snapshot(repo_id: str, revision: str | None, local_dir: Path | None) -> Pat
     switch = _hub_offline()
     try:
         only_cache = switch is not None
-        path = snapshot_download(repo_id, revision=revision, local_dir=local_dir, allow_patterns=ALLOW_PATTERNS,
-                                 local_files_only=only_cache)  # fmt: skip
+        path = snapshot_download(
+            repo_id, revision=revision, local_dir=local_dir, allow_patterns=ALLOW_PATTERNS, local_files_only=only_cache
+        )
     except errors.GatedRepoError:
         raise DownloadError(_gated_message(repo_id, has_token=get_token() is not None)) from None
     except errors.RevisionNotFoundError:

@@ -144,8 +144,9 @@ def make_optimizer(model: nn.Module, s: TrainSettings) -> torch.optim.AdamW:
     fused = (bool(params) and all(p.device.type in ("cuda", "cpu") for p in params) and not sharded) or None
     foreach = False if sharded else None
     masters = s.optimizer_state == "float32" and any(p.dtype != torch.float32 for p in params)
-    return (MasterWeightAdamW if masters else torch.optim.AdamW)(groups, lr=s.lr, betas=(0.9, 0.95), eps=1e-8,
-                                                                 fused=fused, foreach=foreach)  # fmt: skip
+    return (MasterWeightAdamW if masters else torch.optim.AdamW)(
+        groups, lr=s.lr, betas=(0.9, 0.95), eps=1e-8, fused=fused, foreach=foreach
+    )
 
 
 def lr_factor(step: int, total: int, s: TrainSettings) -> float:
@@ -197,8 +198,11 @@ def load_resume_point(path: Path, model, optimizer, scheduler, settings: TrainSe
     try:
         state = {k: v for k, v in record["state"].items() if k in {f.name for f in fields(TrainState)}}
         defaults = asdict(TrainState())  # a counter this version dropped is ignored; a new one starts at its default
-        if bad := [k for k, v in state.items() if type(v) is not type(defaults[k]) and not (
-                isinstance(defaults[k], float) and type(v) is int)]:  # fmt: skip
+        if bad := [
+            k
+            for k, v in state.items()
+            if type(v) is not type(defaults[k]) and not (isinstance(defaults[k], float) and type(v) is int)
+        ]:
             raise TypeError(f"state entries of the wrong type: {', '.join(bad)}")
     except (KeyError, TypeError, AttributeError, ValueError) as e:
         raise resume.ResumeError(f"{path} is not a usable resume point: {e}") from None
