@@ -229,11 +229,11 @@ def needed_gib(out: str) -> float:
 def test_plan_without_a_gpu_plans_a_bfloat16_gpu_and_says_so(monkeypatch, capsys):
     """Issue #26: on a machine without a GPU, `--plan` planned float32 (a CPU's dtype: 38.4 GiB for 8B) and said
     both that a preset is planned as its checkpoint and that it trains random weights. A plan is for a GPU: bfloat16
-    unless --dtype float32 is given, the assumption printed, the README's one-GPU figure, exit 0 with nothing to
+    unless --dtype float32 is given, the assumption printed, the docs' one-GPU figure, exit 0 with nothing to
     check against and 2 when --gpu-memory is too small; a preset is planned as its pretrained checkpoint, only."""
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
-    readme = {row[0]: row[1:] for row in readme_plan_table()}
-    one_gpu = readme_gib(readme["Llama-3-8B, last 2 blocks"][0])
+    table = {row[0]: row[1:] for row in docs_plan_table()}
+    one_gpu = table_gib(table["Llama-3-8B, last 2 blocks"][0])
 
     code, out = plan_output([], capsys)
     assert code == 0 and "error" not in out
@@ -280,23 +280,23 @@ def test_plan_on_a_detected_gpu_follows_its_bfloat16_support(monkeypatch, capsys
     assert "DOES NOT FIT on Tesla V100-SXM2-16GB (16.0 GiB)" in out
 
 
-def readme_plan_table() -> list[list[str]]:
-    """The rows of the README's `--plan` table: model and what trains, then one cell per column."""
-    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
-    rows = re.findall(r"^  \| (Llama-3-\S+ .*) \|$", readme, re.MULTILINE)
+def docs_plan_table() -> list[list[str]]:
+    """The rows of the `--plan` table in docs/scaling.md: model and what trains, then one cell per column."""
+    page = (Path(__file__).resolve().parents[1] / "docs" / "scaling.md").read_text()
+    rows = re.findall(r"^\| (Llama-3-\S+ .*) \|$", page, re.MULTILINE)
     return [row.split(" | ") for row in rows]
 
 
-def readme_gib(cell: str) -> float:
+def table_gib(cell: str) -> float:
     return float(cell.split(" GiB")[0].replace(",", ""))
 
 
-def test_readme_plan_table_is_what_the_command_prints(monkeypatch, capsys):
-    """Every figure of the README's table through the command as typed, on a machine without a GPU (nothing to
+def test_docs_plan_table_is_what_the_command_prints(monkeypatch, capsys):
+    """Every figure of docs/scaling.md's table through the command as typed, on a machine without a GPU (nothing to
     check against: exit 0). The fewest GPUs that fit 80 GiB: here for 8B; 70B's, whose searches are slow, in
     test_plan_that_does_not_fit_exits_2_and_names_the_weights_first and test_smallest_world_size_that_fits."""
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
-    table = readme_plan_table()
+    table = docs_plan_table()
     assert len(table) == 4
     for name, one, ddp, sharded, fewest in table:
         model = "llama3-8b" if name.startswith("Llama-3-8B") else "llama3-70b"
@@ -309,17 +309,17 @@ def test_readme_plan_table_is_what_the_command_prints(monkeypatch, capsys):
             digits = len(cell.split(" GiB")[0].partition(".")[2])
             assert f"{needed_gib(out):,.{digits}f} GiB" == cell, (name, more)
         if fewest.startswith("1 "):
-            assert readme_gib(one) <= 80
+            assert table_gib(one) <= 80
             continue
         if model == "llama3-8b":  # 70B's search takes the command half a minute here: the tests named above
             assert command.main([*argv, "--shard", "--world-size", "8", "--gpu-memory", "80"]) == 0
-            n, each = readme_fewest(fewest)
+            n, each = table_fewest(fewest)
             line = f"smallest world size that fits, sharded: {n} processes (GPUs), {each} GiB each"
             assert line in capsys.readouterr().out
 
 
-def readme_fewest(cell: str) -> tuple[int, str]:
-    """A cell of the README table's last column, "24 (59.5 GiB each)": the GPUs, and the GiB each as printed."""
+def table_fewest(cell: str) -> tuple[int, str]:
+    """A cell of the docs table's last column, "24 (59.5 GiB each)": the GPUs, and the GiB each as printed."""
     n, each = re.match(r"(\d+) \(([\d.]+) GiB each\)", cell).groups()
     return int(n), each
 
@@ -334,7 +334,7 @@ def test_plan_that_does_not_fit_exits_2_and_names_the_weights_first(capsys):
     first = "the first part that does not fit: the bfloat16 weights alone (131.4 GiB) exceed the GPU's 80 GiB"
     assert first in out and "--shard" in out
     assert "--gradient-checkpointing" not in out and "--batch-size" not in out
-    n, each = readme_fewest(dict((row[0], row[-1]) for row in readme_plan_table())["Llama-3-70B, last 2 blocks"])
+    n, each = table_fewest(dict((row[0], row[-1]) for row in docs_plan_table())["Llama-3-70B, last 2 blocks"])
     assert re.search(rf"--shard on {n} GPUs \(torchrun, {n} processes\) +needs {each} GiB", out)
     r = Recipe(LlamaConfig.from_name("llama3-70b"), 8, 512, train_last=2, dtype=torch.bfloat16, shard=True)
     assert plan_memory(dataclasses.replace(r, world_size=n)).fits(80 * GiB)
@@ -520,8 +520,8 @@ def test_smallest_world_size_that_fits():
     n = smallest_world(r, 80 * GiB)
     assert n is not None and n % 8 == 0 and n > 8
     fitting = plan_memory(dataclasses.replace(r, shard=True, world_size=n))
-    readme = dict((row[0], row[-1]) for row in readme_plan_table())  # the README's table says the same
-    assert readme_fewest(readme["Llama-3-70B, everything, `--gradient-checkpointing`"]) == (
+    table = dict((row[0], row[-1]) for row in docs_plan_table())  # docs/scaling.md's table says the same
+    assert table_fewest(table["Llama-3-70B, everything, `--gradient-checkpointing`"]) == (
         n,
         f"{fitting.required() / GiB:.1f}",
     )
