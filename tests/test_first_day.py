@@ -246,7 +246,7 @@ def test_deterministic_flag_turns_on_deterministic_kernels(monkeypatch):
 
     assert parse_args(["--deterministic"]).deterministic and not parse_args([]).deterministic
     monkeypatch.delenv("CUBLAS_WORKSPACE_CONFIG", raising=False)
-    monkeypatch.setattr(finetune_classifier, "run", lambda args: None)
+    monkeypatch.setattr(finetune_classifier, "run", lambda args, progress=None: None)
     try:
         assert finetune_classifier.main(["--deterministic"]) == 0
         assert torch.are_deterministic_algorithms_enabled()

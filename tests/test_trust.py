@@ -129,13 +129,13 @@ def test_resume_refuses_other_data_train_last_or_columns_by_name(small_csv, tmp_
     assert finetune_classifier.main(args_for(data, out)) == 130
     assert (out / "resume.safetensors").exists()
     cases = [
-        (["--train-last", "1"], "--train-last was 2, now 1"),
-        (["--text-column", "message", "--label-column", "category"], "--text-column was None, now 'message'"),
+        (["--train-last", "1"], "--train-last was '2', now '1'"),
+        (["--text-column", "message", "--label-column", "category"], "--text-column was not given, now 'message'"),
     ]
     for extra, message in cases:
         assert finetune_classifier.main([*args_for(data, out, *extra), "--resume"]) == 2
         err = capsys.readouterr().err
-        assert message in err and "resume with the same settings" in err, err
+        assert message in err and "leave them out to continue with the run's own" in err, err
     text = small_csv.read_text()
     last = text.rindex(",spam")
     data.write_text(text[:last] + ",ham" + text[last + 5 :])  # one label edited in place, same path
