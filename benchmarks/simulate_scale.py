@@ -60,12 +60,12 @@ from torch.testing._internal.distributed.fake_pg import FakeStore
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from a fresh clone without installing
 
-from llama_scratch import sharding  # noqa: E402
 from llama_scratch.data.batching import Split, forward, to_batch  # noqa: E402
 from llama_scratch.model.classifier import LlamaClassifier  # noqa: E402
 from llama_scratch.model.config import PRESETS, LlamaConfig  # noqa: E402
 from llama_scratch.model.llama import Llama  # noqa: E402
 from llama_scratch.model.lora import LoRASettings  # noqa: E402
+from llama_scratch.parallel import sharding  # noqa: E402
 from llama_scratch.planning.advice import smallest_world  # noqa: E402
 from llama_scratch.planning.memory import MemoryPlan, Recipe, plan_memory  # noqa: E402
 from llama_scratch.training.loop import TrainSettings, make_optimizer  # noqa: E402

@@ -1,6 +1,7 @@
 """Fine-tune a Llama checkpoint as a text classifier: `python -m llama_scratch.finetune_classifier --help`.
 
-Same command on one CPU, one GPU, or several GPUs under `torchrun --nproc_per_node N` (DDP).
+Same command on one CPU, one GPU, or several GPUs under `torchrun --nproc_per_node N` (DDP, or FSDP2 with
+--shard). How the processes share the run is decided once (`choose_strategy`) and asked of that strategy.
 """
 
 from __future__ import annotations
@@ -11,16 +12,13 @@ import functools
 import os
 import sys
 import time
-import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from safetensors.torch import load_file
 
-from .checkpoints.resume import ResumeError, read_point
-from .checkpoints.weights import copy_named_tensors, save_weights
+from .checkpoints.resume import read_point
 from .data.batching import Split, default_max_length, encode_texts
 from .data.labelled import DataWarning, LabelledTexts, load_dataset
 from .data.splits import default_protocol, split_dataset
@@ -30,8 +28,7 @@ from .model.config import LlamaConfig
 from .model.counts import count_parameters
 from .model.lora import TARGETS, LoRASettings
 from .model.tokenizer import Tokenizer
-from .parallel import distributed, sharding
-from .parallel.distributed import Dist
+from .parallel.strategy import Processes, Strategy, choose_strategy, teardown
 from .planning.memory import Recipe
 from .planning.report import (
     detect_gpu,
@@ -46,7 +43,6 @@ from .sources.resolve import (
     config_of,
     default_model,
     is_repo_id,
-    load_model,
     local_checkpoint,
     resolve_tokenizer,
     trains_from_scratch,
@@ -81,7 +77,7 @@ from .training.run_dir import (
 
 
 def recipe(
-    args: argparse.Namespace, from_scratch: bool, train_labels: list[int], num_classes: int, env: Dist, log
+    args: argparse.Namespace, from_scratch: bool, train_labels: list[int], num_classes: int, processes: Processes, log
 ) -> TrainSettings:
     """The training settings from the flags, with what depends on the data: weights that start from nothing
     (LoRA adapters, a model from scratch) learn at a higher rate than a pretrained model,
@@ -103,9 +99,10 @@ def recipe(
         patience=args.patience,
         class_weights=balanced_weights(train_labels, num_classes) if args.class_weights == "balanced" else None,
     )
-    if args.epochs is None and (epochs := epochs_for_min_steps(len(train_labels), settings, env)) > settings.epochs:
+    n_train = len(train_labels)
+    if args.epochs is None and (epochs := epochs_for_min_steps(n_train, settings, processes)) > settings.epochs:
         log(
-            f"{len(train_labels):,} training rows make few optimizer steps: {epochs} epochs instead of "
+            f"{n_train:,} training rows make few optimizer steps: {epochs} epochs instead of "
             f"{settings.epochs}, for at least {settings.min_steps} steps (--epochs or --min-steps to choose)"
         )
         settings.epochs = epochs
@@ -129,19 +126,13 @@ class Job:
     """What the phases of one run share once data, model and output are chosen."""
 
     args: argparse.Namespace
-    env: Dist
-    device: torch.device
+    strategy: Strategy  # how the processes share the run: asked, never worked out again
     started: float
     data: LabelledTexts
     parts: dict[str, LabelledTexts]
     protocol: str
     choice: ModelChoice
     out: Path
-
-    @property
-    def sharded(self) -> bool:
-        """--shard with several processes (alone there is nothing to share out)."""
-        return self.args.shard and self.env.enabled
 
 
 def read_data(args: argparse.Namespace, log) -> tuple[LabelledTexts, dict[str, LabelledTexts], str]:
@@ -155,18 +146,23 @@ def read_data(args: argparse.Namespace, log) -> tuple[LabelledTexts, dict[str, L
     return data, parts, protocol
 
 
-def choose_model(args: argparse.Namespace, env: Dist, device: torch.device, log) -> ModelChoice:
+def choose_model(args: argparse.Namespace, strategy: Strategy, log) -> ModelChoice:
     """The model reference made local (fetched, converted or found by rank 0, then by each other node's first
     process where that node cannot see rank 0's copy; the other processes take their node's answer),
     the dtype to compute in, and how much of it trains."""
+    device = strategy.device
     dtype = choose_dtype(args.dtype, device)  # a first answer, to size the default model by
-    ref = args.model or distributed.on_each_node(lambda: default_model(device, dtype, log), env)
+    ref = args.model or strategy.on_each_node(lambda: default_model(device, dtype, log))
     repo_id = ref if is_repo_id(ref) else None
-    ref = distributed.on_each_node(lambda: local_checkpoint(ref, log), env)  # several nodes may share no disk
-    if Path(ref).is_dir():  # a float32 copy that would not fit keeps the checkpoint's own dtype
+    ref = strategy.on_each_node(lambda: local_checkpoint(ref, log))  # several nodes may share no disk
+
+    def checkpoint_dtype() -> torch.dtype:  # a float32 copy that would not fit keeps the checkpoint's own dtype
+        if not Path(ref).is_dir():
+            return dtype
         cfg = LlamaConfig.from_hf(ref)
-        dtype = choose_dtype(args.dtype, device, cfg.dtype, count_parameters(cfg).backbone, log)
-    dtype = distributed.broadcast_object(dtype if env.is_main else None)  # free memory differs: rank 0 decides
+        return choose_dtype(args.dtype, device, cfg.dtype, count_parameters(cfg).backbone, log)
+
+    dtype = strategy.on_main(checkpoint_dtype)  # free memory differs between processes: rank 0 decides
     from_scratch = trains_from_scratch(ref)
     train_last = chosen_train_last(args.train_last, from_scratch)
     return ModelChoice(ref, repo_id, dtype, from_scratch, train_last, lora_settings(args, from_scratch))
@@ -205,9 +201,9 @@ def replica_recipe(job: Job) -> Recipe:
         dtype=choice.dtype,
         optimizer_state=args.optimizer_state,
         gradient_checkpointing=args.gradient_checkpointing,
-        world_size=job.env.world_size,
+        world_size=job.strategy.processes.world_size,
         grad_accum=args.grad_accum,
-        device_type=job.device.type,
+        device_type=job.strategy.device.type,
         lora=choice.lora,
     )
 
@@ -215,18 +211,11 @@ def replica_recipe(job: Job) -> Recipe:
 def build_classifier(job: Job, log) -> tuple[LlamaClassifier, Tokenizer, str]:
     """The classifier with its backbone streamed onto the device (under --shard, each process's rows of it), and
     the tokenizer that belongs to it."""
-    choice, args, env, device = job.choice, job.args, job.env, job.device
+    choice = job.choice
     n = job.data.num_classes
-    if job.sharded:
-        mesh = sharding.make_mesh(env, device, args.shard_group)
-        clf = sharding.sharded_classifier(
-            choice.ref, choice.dtype, n, choice.train_last, choice.lora, mesh, device, progress=env.is_main
-        )
-    else:
-        backbone = load_model(choice.ref, device=device, dtype=choice.dtype, progress=env.is_main)
-        clf = LlamaClassifier(backbone, num_classes=n, train_last=choice.train_last, lora=choice.lora)
+    clf = job.strategy.build_classifier(choice.ref, choice.dtype, n, choice.train_last, choice.lora)
     backbone = clf.backbone
-    backbone.gradient_checkpointing = args.gradient_checkpointing
+    backbone.gradient_checkpointing = job.args.gradient_checkpointing
     tokenizer, tokenizer_ref = resolve_tokenizer(choice.ref, backbone.cfg, log)
     if tokenizer.n_words > backbone.cfg.vocab_size:
         raise ValueError(
@@ -264,13 +253,12 @@ def prepare(args: argparse.Namespace, progress: Progress) -> tuple[Job, TrainSet
     of loading and caching."""
     if args.shard_group is not None and not args.shard:
         raise ValueError("--shard-group G needs --shard")
-    env, device = distributed.setup(args.device)
-    log = print if env.is_main else (lambda *a, **k: None)
-    if not env.is_main:
-        warnings.simplefilter("ignore", DataWarning)
+    strategy = choose_strategy(args.device, args.shard, args.shard_group)
+    log = strategy.log
+    strategy.quiet_elsewhere(DataWarning)
     if args.resume:  # the run's own flags for those not typed again, before anything is read
         args.output = args.output or latest_run()
-        recorded = distributed.broadcast_object(read_flags(args.output) if env.is_main else None)
+        recorded = strategy.on_main(lambda: read_flags(args.output))
         if recorded is not None:
             args = resumed_flags(args, recorded, args.output)
     started = time.perf_counter()
@@ -278,17 +266,17 @@ def prepare(args: argparse.Namespace, progress: Progress) -> tuple[Job, TrainSet
     progress.phase = "reading the data"
     data, parts, protocol = read_data(args, log)
     progress.phase = "finding the model"
-    choice = choose_model(args, env, device, log)
-    out = args.output or distributed.broadcast_object(default_output(choice.ref, args.data) if env.is_main else None)
+    choice = choose_model(args, strategy, log)
+    out = args.output or strategy.on_main(lambda: default_output(choice.ref, args.data))
     log(f"output: {out}/")
     check_output(out, args.resume, args.overwrite)  # before anything is loaded or written
-    job = Job(args, env, device, started, data, parts, protocol, choice, out)
-    settings = recipe(args, choice.from_scratch, parts["train"].labels, data.num_classes, env, log)
+    job = Job(args, strategy, started, data, parts, protocol, choice, out)
+    settings = recipe(args, choice.from_scratch, parts["train"].labels, data.num_classes, strategy.processes, log)
     if args.resume:
         check_resume_point(job, settings)  # another run's point is refused before minutes of loading and caching
-    start_output(out, args.resume, args.output is None, env, recorded_flags(args))
+    start_output(out, args.resume, args.output is None, strategy, recorded_flags(args))
     progress.out = out
-    if device.type == "cuda" and env.enabled and not job.sharded:  # before a replica that cannot fit is loaded
+    if strategy.refuses_unfit_replica:  # DDP on GPUs: before a replica that cannot fit is loaded
         refuse_unfit_replica(replica_recipe(job), detect_gpu(), choice.ref)
     return job, settings, log
 
@@ -303,30 +291,29 @@ def run(args: argparse.Namespace, progress: Progress | None = None) -> dict:
         cfg = config_of(args.model)
         return plan_command(args, cfg, chosen_train_last(args.train_last, scratch), lora_settings(args, scratch))
     job, settings, log = prepare(args, progress)
-    args, env, device, choice, out, parts = job.args, job.env, job.device, job.choice, job.out, job.parts
+    args, strategy, choice, out, parts = job.args, job.strategy, job.choice, job.out, job.parts
     progress.phase = "loading the weights"
     clf, tokenizer, tokenizer_ref = build_classifier(job, log)
     splits, max_length = tokenize(parts, tokenizer, clf.backbone.cfg.max_seq_len, args.max_length, log)
     n_train = sum(p.numel() for p in clf.trainable_parameters().values())
     log(
-        f"training {n_train:,} of {sum(p.numel() for p in clf.parameters()):,} parameters on {device} in "
-        f"{choice.dtype}" + (f", sharded across {env.world_size} processes" if job.sharded else "")
+        f"training {n_train:,} of {sum(p.numel() for p in clf.parameters()):,} parameters on {strategy.device} in "
+        f"{choice.dtype}{strategy.describe()}"
     )
     # Sharded too: every process takes part in each frozen forward and keeps every text's states (prefix_cache).
     progress.phase = "running the frozen layers once per text (the frozen-prefix cache)"
-    if use_cache(args.cache_frozen, clf, {k: v.ids for k, v in splits.items()}, device, env, log):
-        splits = cache_splits(clf, splits, settings.eval_rows, env)
+    if use_cache(args.cache_frozen, clf, {k: v.ids for k, v in splits.items()}, strategy, log):
+        splits = cache_splits(clf, splits, settings.eval_rows, strategy)
     if args.compile:
         compile_token_wise(clf)
-    model = clf if job.sharded else distributed.wrap(clf, env, device)
-    save = functools.partial(save_classifier, clf, choice.from_scratch, env)
+    model = strategy.wrap(clf)  # DDP with several replicas; a sharded model was wrapped when it was built
+    save = functools.partial(save_classifier, clf, choice.from_scratch, strategy)
     progress.phase = "training"
     state = train(
         model,
         splits,
         settings,
-        env,
-        device,
+        strategy,
         out,
         args.resume,
         lambda epoch: save(out / BEST_FILE),
@@ -336,18 +323,17 @@ def run(args: argparse.Namespace, progress: Progress | None = None) -> dict:
     progress.phase = "evaluating the best weights"
     log(kept_epoch(state))
     metrics = final_metrics(job, model, clf, splits, settings, state)
-    run_id = distributed.broadcast_object(new_run_id())
+    run_id = strategy.on_main(new_run_id)
     progress.phase = "writing the results"
     save(out / RESULT_WEIGHTS, {"run_id": run_id})  # every process: a sharded model is gathered tensor by tensor
-    if env.is_main:
-        meta = classifier_meta(job, clf, tokenizer_ref, max_length, settings)
-        write_results(out, run_id, metrics, meta, state.history)
-        warn_if_one_class(metrics["val_accuracy"], parts["val"].labels, log)
-        log(
-            f"test accuracy {metrics['test_accuracy']:.2%} (val {metrics['val_accuracy']:.2%}, train "
-            f"{metrics['train_accuracy']:.2%}; epoch {metrics['best_epoch']}'s weights); {metrics['seconds']:.0f} s. "
-            f"Results in {out}/"
-        )
+    meta = functools.partial(classifier_meta, job, clf, tokenizer_ref, max_length, settings)
+    strategy.on_main(lambda: write_results(out, run_id, metrics, meta(), state.history))  # rank 0 writes
+    warn_if_one_class(metrics["val_accuracy"], parts["val"].labels, log)
+    log(
+        f"test accuracy {metrics['test_accuracy']:.2%} (val {metrics['val_accuracy']:.2%}, train "
+        f"{metrics['train_accuracy']:.2%}; epoch {metrics['best_epoch']}'s weights); {metrics['seconds']:.0f} s. "
+        f"Results in {out}/"
+    )
     return metrics
 
 
@@ -366,25 +352,21 @@ def kept_epoch(state: TrainState) -> str:
 
 def check_resume_point(job: Job, settings: TrainSettings) -> None:
     """--resume: refuse a resume point of another run now, with everything known before the weights load (the
-    loop checks again when it reads the point, with the max length as well). Rank 0 reads; all refuse alike."""
-    env, out = job.env, job.out
-    single, parts = out / RESUME_FILE, out / RESUME_DIR
+    loop checks again when it reads the point, with the max length as well). Rank 0 reads; all refuse alike. A
+    point of the other kind (sharded or not) is refused by name here too, before the weights load."""
+    strategy, out = job.strategy, job.out
 
-    def problem() -> str | None:
-        path = sharding.part_path(parts, env) if job.sharded and parts.is_dir() else single
+    def check() -> None:
+        where = strategy.resume_location(out / RESUME_FILE, out / RESUME_DIR, resuming=True)
+        path = strategy.resume_part(where)
         if not path.is_file():
-            return None
-        identity = {"world_size": env.world_size, **run_identity(job, job.args.max_length)}
+            return
+        identity = {"world_size": strategy.processes.world_size, **run_identity(job, job.args.max_length)}
         if job.args.max_length is None:  # known once the texts are tokenized
             identity.pop("max_length")
-        try:
-            check_same_run(path, read_point(path, tensors=False), settings, identity, partial=True)
-        except ResumeError as e:
-            return str(e)
-        return None
+        check_same_run(path, read_point(path, tensors=False), settings, identity, partial=True)
 
-    if message := distributed.broadcast_object(problem() if env.is_main else None):
-        raise ResumeError(message)
+    strategy.on_main(check)
 
 
 def classifier_meta(
@@ -431,36 +413,26 @@ def run_identity(job: Job, max_length: int) -> dict:
 
 
 def save_classifier(
-    clf: LlamaClassifier, from_scratch: bool, env: Dist, path: Path, metadata: dict | None = None
+    clf: LlamaClassifier, from_scratch: bool, strategy: Strategy, path: Path, metadata: dict | None = None
 ) -> None:
     """Trained parameters only, unless the backbone came from random weights (then nothing else holds it). Called
     by every process: a sharded model is gathered one tensor at a time, and rank 0 writes."""
     state = clf.state_dict() if from_scratch else clf.trainable_parameters()
-    if sharding.is_sharded(clf):
-        sharding.save_gathered(state, path, env, metadata)
-    elif env.is_main:
-        save_weights({k: v.detach() for k, v in state.items()}, path, metadata)
+    strategy.save_trained(state, path, metadata)
 
 
 def final_metrics(
     job: Job, model, clf: LlamaClassifier, splits: dict[str, Split], settings: TrainSettings, state
 ) -> dict:
     """Every split evaluated with the best weights (by validation accuracy), and the run's figures."""
-    best, env = job.out / BEST_FILE, job.env
-    if distributed.broadcast_object(not best.exists() if env.is_main else None):  # no epoch ended here (resumed
-        save_classifier(clf, job.choice.from_scratch, env, best)  # after the last one)
+    best, strategy = job.out / BEST_FILE, job.strategy
+    if strategy.on_main(lambda: not best.exists()):  # no epoch ended here (resumed after the last one)
+        save_classifier(clf, job.choice.from_scratch, strategy, best)
     # The other processes receive rank 0's best weights: they may not see its files (several nodes, no shared disk).
     saved = dict(clf.named_parameters()) if job.choice.from_scratch else clf.trainable_parameters()
-    if job.sharded:
-        sharding.read_from_main(saved, best, env)
-    else:
-        if env.is_main:
-            copy_named_tensors(clf, load_file(best, device=str(job.device)), str(best))
-        distributed.broadcast_parameters(list(saved.values()))
+    strategy.load_trained(clf, saved, best)
     data, choice = job.data, job.choice
-    results = {
-        k: evaluate(model, splits[k], settings, job.env, job.device, f"final {k}") for k in ("train", "val", "test")
-    }
+    results = {k: evaluate(model, splits[k], settings, strategy, f"final {k}") for k in ("train", "val", "test")}
     return {
         "model": choice.ref,
         "data": job.args.data,
@@ -478,8 +450,8 @@ def final_metrics(
         "train_seconds": state.train_seconds,
         "tokens_per_second": state.train_tokens / max(state.train_seconds, 1e-9),
         "dtype": str(choice.dtype).removeprefix("torch."),
-        "device": str(job.device),
-        "world_size": job.env.world_size,
+        "device": str(strategy.device),
+        "world_size": strategy.processes.world_size,
         "trainable_parameters": sum(p.numel() for p in clf.trainable_parameters().values()),
     }
 
@@ -496,7 +468,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         run(args, progress)
     except KeyboardInterrupt:
-        if os.environ.get("RANK", "0") == "0":
+        if Processes.from_environment().is_main:  # the strategy may not be chosen yet: what torchrun said
             print(f"\n{interrupted(progress.out, progress.phase)}", file=sys.stderr)
         return 130
     # DataError, CheckpointError, OutputError and ResumeError are ValueErrors: bad input, told in one line.
@@ -504,7 +476,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     finally:
-        distributed.teardown()
+        teardown()
     return 0
 
 

@@ -26,32 +26,32 @@ GRADIENTS_SCRIPT = textwrap.dedent(
     import torch
 
     from llama_scratch import Llama, LlamaClassifier, LlamaConfig
-    from llama_scratch.parallel import distributed
     from llama_scratch.data.batching import Split
+    from llama_scratch.parallel.strategy import choose_strategy, teardown
     from llama_scratch.training.loop import TrainSettings, train
 
-    env, device = distributed.setup("cpu")
+    strategy = choose_strategy("cpu")
     ids = [[1 + (i * 7 + j) % 100 for j in range(5 + i % 4)] for i in range(32)]
     split = Split(ids, [i % 2 for i in range(32)])
     # torch's AdamW on float32 weights; ours (float32 master weights) on bfloat16 ones
     for state, dtype in (("param", torch.float32), ("float32", torch.bfloat16)):
         torch.manual_seed(0)
         clf = LlamaClassifier(Llama(LlamaConfig.from_name("tiny", dtype=dtype)), num_classes=2, train_last=2)
-        model = distributed.wrap(clf, env, device)
+        model = strategy.wrap(clf)
         trained = [p for p in clf.parameters() if p.requires_grad]
         # From the start, before the first backward (which, under --grad-accum 2, skips the all-reduce).
         assert all(p.grad is not None and p.grad._base is not None for p in trained), state
         settings = TrainSettings(epochs=1, batch_size=4, grad_accum=2, save_every=1000, optimizer_state=state)
         with tempfile.TemporaryDirectory() as out:
-            train(model, {"train": split, "val": split}, settings, env, device, Path(out), log=lambda *a: None)
+            train(model, {"train": split, "val": split}, settings, strategy, Path(out), log=lambda *a: None)
         trained = [p for p in clf.parameters() if p.requires_grad]
         # After the last step the gradients are still there (zeroed, not freed), each a view of DDP's buckets.
         assert all(p.grad is not None and p.grad._base is not None for p in trained), state
         assert all(p.grad.count_nonzero() == 0 for p in trained), state
         buckets = {p.grad._base.untyped_storage().data_ptr() for p in trained}
         assert len(buckets) <= len(trained) // 2, buckets  # a few flat buckets, not one tensor per parameter
-    os.write(1, f"rank {env.rank} ok\\n".encode())  # one write: the two ranks share the pipe
-    distributed.teardown()
+    os.write(1, f"rank {strategy.processes.rank} ok\\n".encode())  # one write: the two ranks share the pipe
+    teardown()
     """
 )
 
@@ -67,35 +67,35 @@ CACHE_SCRIPT = textwrap.dedent(
     import torch
 
     from llama_scratch import Llama, LlamaClassifier, LlamaConfig
-    from llama_scratch.parallel import distributed
+    from llama_scratch.parallel.strategy import Replicated, choose_strategy, teardown
     from llama_scratch.training import prefix_cache
-    from llama_scratch.parallel.distributed import Dist
     from llama_scratch.training.prefix_cache import compute_frozen_states
 
-    env, device = distributed.setup("cpu")
+    strategy = choose_strategy("cpu")
+    rank = strategy.processes.rank
     torch.manual_seed(0)
     clf = LlamaClassifier(Llama(LlamaConfig.from_name("tiny")), num_classes=2, train_last=1)
     texts = [[1 + (i * 7 + j) % 100 for j in range(3 + i % 5)] for i in range(11)]
     rows_run = []  # texts this process runs through the frozen blocks
     run_blocks = clf.backbone.run_blocks
     clf.backbone.run_blocks = lambda x, *a, **k: rows_run.append(x.shape[0]) or run_blocks(x, *a, **k)
-    shared = compute_frozen_states(clf, texts, 0, batch_size=2, show=False, env=env)
+    shared = compute_frozen_states(clf, texts, 0, batch_size=2, show=False, strategy=strategy)
     del clf.backbone.run_blocks
-    assert 0 < sum(rows_run) < len(texts) and distributed.all_sum(torch.tensor(sum(rows_run))) == len(texts)
-    alone = compute_frozen_states(clf, texts, 0, batch_size=2, show=False, env=Dist())
+    assert 0 < sum(rows_run) < len(texts) and strategy.all_sum(torch.tensor(sum(rows_run))) == len(texts)
+    alone = compute_frozen_states(clf, texts, 0, batch_size=2, show=False, strategy=Replicated())
     assert [s.shape for s in shared] == [s.shape for s in alone] == [(len(t), 64) for t in texts]
     assert max((a - b).abs().max().item() for a, b in zip(shared, alone, strict=True)) < 1e-5
     # One text for two processes: the second computes nothing and still receives it.
-    one = compute_frozen_states(clf, texts[:1], 0, batch_size=2, show=False, env=env)
+    one = compute_frozen_states(clf, texts[:1], 0, batch_size=2, show=False, strategy=strategy)
     assert len(one) == 1 and torch.allclose(one[0], alone[0], atol=1e-5)
     # Whether to cache is one decision for all: with room on rank 0 only, neither caches (else a deadlock).
     quiet = lambda *a: None  # noqa: E731
-    prefix_cache.free_memory = lambda device: 2**40 if env.rank == 0 else 0
-    assert prefix_cache.use_cache("auto", clf, {"train": texts}, device, env, quiet) is False
+    prefix_cache.free_memory = lambda device: 2**40 if rank == 0 else 0
+    assert prefix_cache.use_cache("auto", clf, {"train": texts}, strategy, quiet) is False
     prefix_cache.free_memory = lambda device: 2**40
-    assert prefix_cache.use_cache("auto", clf, {"train": texts}, device, env, quiet) is True
-    os.write(1, f"rank {env.rank} ok\\n".encode())  # one write: the two ranks share the pipe
-    distributed.teardown()
+    assert prefix_cache.use_cache("auto", clf, {"train": texts}, strategy, quiet) is True
+    os.write(1, f"rank {rank} ok\\n".encode())  # one write: the two ranks share the pipe
+    teardown()
     """
 )
 

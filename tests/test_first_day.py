@@ -142,16 +142,16 @@ def test_every_option_names_one_default_and_it_is_the_code_s():
 
 
 def test_small_data_gets_more_epochs_and_a_useless_model_is_called_out():
-    from llama_scratch.parallel.distributed import Dist
+    from llama_scratch.parallel.strategy import Processes
 
     args = finetune_classifier.parse_args(["--data", "x.csv"])
     lines = []
-    settings = finetune_classifier.recipe(args, False, [0, 1] * 21, 2, Dist(), lines.append)
+    settings = finetune_classifier.recipe(args, False, [0, 1] * 21, 2, Processes(), lines.append)
     assert settings.epochs == 20 and "20 epochs instead of 5" in lines[0]  # 42 rows: 5 steps an epoch -> 100 steps
-    big = finetune_classifier.recipe(args, False, [0, 1] * 520, 2, Dist(), lines.append)
+    big = finetune_classifier.recipe(args, False, [0, 1] * 520, 2, Processes(), lines.append)
     assert big.epochs == 5 and len(lines) == 1  # the default job is left as it was
     fixed = finetune_classifier.recipe(finetune_classifier.parse_args(["--epochs", "3"]), False, [0, 1] * 21, 2,
-                                       Dist(), lines.append)  # fmt: skip
+                                       Processes(), lines.append)  # fmt: skip
     assert fixed.epochs == 3
     finetune_classifier.warn_if_one_class(0.5, [0, 0, 1, 1], lines.append)
     assert "no better than always answering the commonest class" in lines[-1]
@@ -190,18 +190,18 @@ def test_sixty_separable_reviews_learn_with_the_default_recipe(smollm2_dir, tmp_
 
 
 def test_each_process_takes_a_gpu_it_can_see():
-    from llama_scratch.parallel.distributed import Dist, process_device
+    from llama_scratch.parallel.distributed import Processes, process_device
     from llama_scratch.sources.devices import DeviceError
 
     # Slurm --gpus-per-task: every process sees one GPU (CUDA_VISIBLE_DEVICES of one), local ranks 0..7.
-    assert process_device("auto", Dist(rank=13, local_rank=5, world_size=16), gpus=1) == torch.device("cuda", 0)
+    assert process_device("auto", Processes(rank=13, local_rank=5, world_size=16), gpus=1) == torch.device("cuda", 0)
     # torchrun on a node of 8 GPUs, every process seeing all of them.
-    assert process_device("cuda", Dist(rank=13, local_rank=5, world_size=16), gpus=8) == torch.device("cuda", 5)
-    assert process_device("auto", Dist(rank=1, local_rank=1, world_size=2), gpus=0) == torch.device("cpu")
+    assert process_device("cuda", Processes(rank=13, local_rank=5, world_size=16), gpus=8) == torch.device("cuda", 5)
+    assert process_device("auto", Processes(rank=1, local_rank=1, world_size=2), gpus=0) == torch.device("cpu")
     for wrong in ("cuda:3", "cuda"):
         gpus = 8 if wrong == "cuda:3" else 0
         try:
-            process_device(wrong, Dist(rank=1, local_rank=1, world_size=2), gpus=gpus)
+            process_device(wrong, Processes(rank=1, local_rank=1, world_size=2), gpus=gpus)
         except DeviceError as e:
             assert "--device" in str(e)
         else:
@@ -211,7 +211,7 @@ def test_each_process_takes_a_gpu_it_can_see():
 def test_patience_stops_early_and_class_weights_weigh_the_rare_class(tmp_path):
     from llama_scratch import LlamaClassifier
     from llama_scratch.data.batching import Split
-    from llama_scratch.parallel.distributed import Dist
+    from llama_scratch.parallel.strategy import Processes, Replicated
     from llama_scratch.training import loop as train
 
     assert train.balanced_weights([0, 0, 0, 1], 2) == [4 / 6, 2.0]
@@ -225,7 +225,7 @@ def test_patience_stops_early_and_class_weights_weigh_the_rare_class(tmp_path):
         s = train.TrainSettings(batch_size=4, save_every=100, **settings)
         out = tmp_path / str(len(list(tmp_path.iterdir())))
         out.mkdir()
-        state = train.train(clf, splits, s, Dist(), torch.device("cpu"), out, log=lambda *a: None)
+        state = train.train(clf, splits, s, Replicated(), out, log=lambda *a: None)
         return state, clf.head.weight.detach().clone()
 
     # Learning rate 0: validation never gets better after epoch 1, so patience 1 stops after epoch 2 of 5.
@@ -235,7 +235,7 @@ def test_patience_stops_early_and_class_weights_weigh_the_rare_class(tmp_path):
     _, weighted = run(epochs=1, lr=1e-3, class_weights=train.balanced_weights(labels, 2))
     assert not torch.equal(plain, weighted)  # the weights reached the loss
     args = finetune_classifier.parse_args(["--class-weights", "balanced"])
-    settings = finetune_classifier.recipe(args, False, labels, 2, Dist(), lambda *a: None)
+    settings = finetune_classifier.recipe(args, False, labels, 2, Processes(), lambda *a: None)
     assert settings.class_weights == train.balanced_weights(labels, 2)
 
 
@@ -260,11 +260,11 @@ def test_each_node_makes_the_model_local_once(monkeypatch):
     fetches on its own disk; ranks 1 and 3 fetch nothing and take their node's path. An error on rank 0 reaches
     every process, instead of leaving them waiting in a collective."""
     from llama_scratch.parallel import distributed
-    from llama_scratch.parallel.distributed import Dist, on_each_node
+    from llama_scratch.parallel.distributed import Processes, on_each_node
 
     node_paths = {0: "/node0/weights/m", 2: "/node2/weights/m"}
     for rank in range(4):
-        env, made = Dist(rank=rank, local_rank=rank % 2, world_size=4), []
+        env, made = Processes(rank=rank, local_rank=rank % 2, world_size=4), []
 
         def make(rank=rank, made=made):
             made.append(rank)
@@ -282,9 +282,9 @@ def test_each_node_makes_the_model_local_once(monkeypatch):
 
     monkeypatch.setattr(distributed, "broadcast_object", lambda obj: (None, FileNotFoundError("weights/m: gone")))
     with pytest.raises(FileNotFoundError, match="gone"):
-        on_each_node(lambda: "never made", Dist(rank=3, local_rank=1, world_size=4))
+        on_each_node(lambda: "never made", Processes(rank=3, local_rank=1, world_size=4))
     with pytest.raises(FileNotFoundError, match="no such file"):
-        on_each_node(fail, Dist())
+        on_each_node(fail, Processes())
 
 
 def test_compile_flag_compiles_the_token_wise_modules():

@@ -11,7 +11,7 @@ from llama_scratch import Llama, LlamaClassifier, LlamaConfig
 from llama_scratch.data.batching import Split, forward, to_batch
 from llama_scratch.model.lora import LoRASettings
 from llama_scratch.model.packing import pack, pack_ids
-from llama_scratch.parallel.distributed import Dist
+from llama_scratch.parallel.strategy import Replicated
 from llama_scratch.training import prefix_cache
 from llama_scratch.training.prefix_cache import cache_splits, compute_frozen_states
 
@@ -107,7 +107,7 @@ def test_cache_splits_runs_each_distinct_text_once(monkeypatch):
         return real(clf, token_lists, *args, **kwargs)
 
     monkeypatch.setattr(prefix_cache, "compute_frozen_states", recording)
-    cached = cache_splits(clf, splits, rows=3, env=Dist())
+    cached = cache_splits(clf, splits, rows=3, strategy=Replicated())
     assert ran == [[a, b, c, d]]  # once, every distinct text, in order of first appearance
     train, test = cached["train"].states, cached["test"].states
     assert train[0] is train[2] and train[1] is test[1]

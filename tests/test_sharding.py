@@ -68,10 +68,8 @@ def test_two_sharded_processes_equal_one_process(checkpoint, small_csv, tmp_path
 LOAD_SCRIPT = """
 import dataclasses, sys, torch
 from pathlib import Path
-from llama_scratch.parallel import distributed, sharding
-from llama_scratch.model.classifier import LlamaClassifier
-from llama_scratch.model.config import LlamaConfig
-from llama_scratch.model.llama import Llama
+from llama_scratch.parallel import sharding
+from llama_scratch.parallel.strategy import choose_strategy, teardown
 
 def peak_rss() -> int:
     for line in Path("/proc/self/status").read_text().splitlines():
@@ -83,24 +81,24 @@ def rss() -> int:
         if line.startswith("VmRSS:"):
             return int(line.split()[1]) * 1024
 
-env, device = distributed.setup("cpu")
+strategy = choose_strategy("cpu", shard=True)
+rank = strategy.processes.rank
 ckpt, small = sys.argv[1], SMALL
-mesh = sharding.make_mesh(env, device)
 # The first use of every code path (meta device, FSDP, the reader) costs tens of MB of Python and torch state,
 # whatever the checkpoint: paid here, on a small one, before the peak is measured.
-sharding.sharded_classifier(small, torch.float32, 2, None, None, mesh, device, progress=False)
+strategy.build_classifier(small, torch.float32, 2, None, None)
 Path("/proc/self/clear_refs").write_text("5")  # the peak from here on
 before = rss()
-clf = sharding.sharded_classifier(ckpt, torch.float32, 2, None, None, mesh, device, progress=False)
+clf = strategy.build_classifier(ckpt, torch.float32, 2, None, None)
 grown = peak_rss() - before
 mine = sharding.resident_bytes(clf)
 full = sum(p.numel() * p.element_size() for p in clf.parameters())
 largest = max(p.numel() * p.element_size() for p in clf.parameters())
-print(f"rank {env.rank}: holds {mine} of {full} bytes, largest tensor {largest}, load peak +{grown}")
+print(f"rank {rank}: holds {mine} of {full} bytes, largest tensor {largest}, load peak +{grown}")
 assert abs(mine - full / 2) <= largest, (mine, full)
 assert grown <= full / 2 + largest + 8 * 2**20, (grown, full)
-print(f"rank {env.rank} ok")
-distributed.teardown()
+print(f"rank {rank} ok")
+teardown()
 """
 
 
@@ -203,18 +201,18 @@ def test_a_sharded_point_from_another_number_of_processes_is_refused(tmp_path):
     """Resharding is not supported: a point saved by 2 processes, resumed by 4, is one clear error naming both."""
     from llama_scratch.checkpoints.resume import ResumeError
     from llama_scratch.parallel import sharding
-    from llama_scratch.parallel.distributed import Dist
+    from llama_scratch.parallel.strategy import Processes
 
     point = tmp_path / "resume.sharded" / "point-00000001"
     point.mkdir(parents=True)
     for r in range(2):
-        (point / sharding.part_name(Dist(rank=r, world_size=2))).write_bytes(b"")
+        (point / sharding.part_name(Processes(rank=r, world_size=2))).write_bytes(b"")
     (tmp_path / "resume.sharded" / "current").write_text("point-00000001\n")
-    assert sharding.part_path(tmp_path / "resume.sharded", Dist(rank=1, world_size=2)).name == (
+    assert sharding.part_path(tmp_path / "resume.sharded", Processes(rank=1, world_size=2)).name == (
         "rank-00001-of-00002.safetensors"
     )
     with pytest.raises(ResumeError, match="saved by 2 processes, this run has 4"):
-        sharding.part_path(tmp_path / "resume.sharded", Dist(rank=0, world_size=4))
+        sharding.part_path(tmp_path / "resume.sharded", Processes(rank=0, world_size=4))
     assert sharding.is_resume_dir(tmp_path / "resume.sharded")
     (tmp_path / "resume.sharded" / "notes.txt").write_text("mine")  # a file we did not write: not ours to delete
     assert not sharding.is_resume_dir(tmp_path / "resume.sharded")
@@ -223,12 +221,14 @@ def test_a_sharded_point_from_another_number_of_processes_is_refused(tmp_path):
 FROZEN_PASS_SCRIPT = """
 import os
 import torch
-from llama_scratch.parallel import distributed, sharding
 from llama_scratch.model.classifier import LlamaClassifier
-from llama_scratch.training.prefix_cache import compute_frozen_states
+from llama_scratch.parallel import sharding
+from llama_scratch.parallel.strategy import choose_strategy, teardown
 from llama_scratch.sources.resolve import load_model
+from llama_scratch.training.prefix_cache import compute_frozen_states
 
-env, device = distributed.setup("cpu")
+strategy = choose_strategy("cpu", shard=True)
+device = strategy.device
 # 9 texts in batches of 2: rank 0 takes 5 (3 batches), rank 1 takes 4 (2 batches, and a third only to take part in
 # each frozen block's all-gather; without it rank 0 would wait forever in its third batch).
 texts = [[1 + (i * 7 + j) % 100 for j in range(3 + i % 5)] for i in range(9)]
@@ -236,15 +236,15 @@ torch.manual_seed(0)
 alone = LlamaClassifier(load_model("tiny", device, torch.float32), 2, train_last=1)
 expected = compute_frozen_states(alone, texts, 0, batch_size=2, show=False)
 torch.manual_seed(0)  # the same draw: the tiny preset ties its embedding, which then sits in the root's group
-clf = sharding.sharded_classifier("tiny", torch.float32, 2, 1, None, sharding.make_mesh(env, device), device, False)
+clf = strategy.build_classifier("tiny", torch.float32, 2, 1, None)
 for packed in (True, False):
-    got = compute_frozen_states(clf, texts, 0, batch_size=2, show=False, env=env, packed=packed)
+    got = compute_frozen_states(clf, texts, 0, batch_size=2, show=False, strategy=strategy, packed=packed)
     assert [s.shape for s in got] == [s.shape for s in expected] == [(len(t), 64) for t in texts]
     assert max((a - b).abs().max().item() for a, b in zip(got, expected, strict=True)) < 1e-5, packed
     assert not any(sharding.is_dtensor(s) for s in got)
     assert all(sharding.is_dtensor(p) for p in clf.parameters()), "every gathered block is freed again"
-os.write(1, f"rank {env.rank} ok\\n".encode())  # one write: the two ranks share the pipe
-distributed.teardown()
+os.write(1, f"rank {strategy.processes.rank} ok\\n".encode())  # one write: the two ranks share the pipe
+teardown()
 """
 
 

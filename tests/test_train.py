@@ -6,30 +6,30 @@ import pytest
 import torch
 
 from llama_scratch.data.batching import Split
-from llama_scratch.parallel.distributed import Dist
+from llama_scratch.parallel.strategy import Processes, Replicated
 from llama_scratch.training.loop import TrainSettings, check_enough_data, epoch_batches, lr_factor
 
 
 def test_epoch_batches_are_seeded_and_shared_out_like_one_process():
     s1, s2 = TrainSettings(batch_size=8, seed=3), TrainSettings(batch_size=4, seed=3)
-    single = epoch_batches(32, 0, s1, Dist())
-    assert single == epoch_batches(32, 0, s1, Dist())  # the same seed and epoch, the same order
+    single = epoch_batches(32, 0, s1, Processes())
+    assert single == epoch_batches(32, 0, s1, Processes())  # the same seed and epoch, the same order
     before = torch.get_rng_state()
-    assert epoch_batches(32, 1, s1, Dist()) != single  # each epoch its own order
+    assert epoch_batches(32, 1, s1, Processes()) != single  # each epoch its own order
     assert torch.equal(torch.get_rng_state(), before)  # and the global RNG is left alone
     assert sorted(i for b in single for i in b) == list(range(32))
-    ranks = [epoch_batches(32, 0, s2, Dist(rank=r, world_size=2)) for r in (0, 1)]
+    ranks = [epoch_batches(32, 0, s2, Processes(rank=r, world_size=2)) for r in (0, 1)]
     # Batch k of one process with 8 rows holds exactly the rows of batch k on each of two processes with 4.
     assert [sorted(a + b) for a, b in zip(*ranks, strict=True)] == [sorted(b) for b in single]
 
 
 def test_incomplete_steps_are_dropped_and_too_little_data_is_an_error():
     s = TrainSettings(batch_size=4, grad_accum=2)
-    assert len(epoch_batches(21, 0, s, Dist())) == 4  # 21 rows: two whole steps of 2 x 4, 5 rows left out
-    assert check_enough_data(21, s, Dist()) == 2
-    assert check_enough_data(15, s, Dist(world_size=2)) == 1  # the sampler repeats a row to give each process 8
+    assert len(epoch_batches(21, 0, s, Processes())) == 4  # 21 rows: two whole steps of 2 x 4, 5 rows left out
+    assert check_enough_data(21, s, Processes()) == 2
+    assert check_enough_data(15, s, Processes(world_size=2)) == 1  # the sampler repeats a row to give each process 8
     with pytest.raises(ValueError, match="fewer than one step"):
-        check_enough_data(13, s, Dist(world_size=2))
+        check_enough_data(13, s, Processes(world_size=2))
 
 
 def test_learning_rate_warms_up_then_decays_to_a_tenth():
@@ -54,7 +54,7 @@ def test_an_interrupt_mid_step_then_resume_equals_one_run(tmp_path, monkeypatch)
         out.mkdir(exist_ok=True)
         torch.manual_seed(0)
         clf = LlamaClassifier(Llama(LlamaConfig.from_name("tiny")), num_classes=2, train_last=1)
-        state = train.train(clf, splits, settings, Dist(), torch.device("cpu"), out, resume, log=lambda *a: None)
+        state = train.train(clf, splits, settings, Replicated(), out, resume, log=lambda *a: None)
         return state, {k: v.clone() for k, v in train.trainable_state(clf).items()}
 
     whole, whole_weights = run(tmp_path / "whole")
@@ -123,5 +123,5 @@ def test_the_loop_reads_the_device_once_per_optimizer_step(monkeypatch):
         clf = LlamaClassifier(Llama(LlamaConfig.from_name("tiny")), num_classes=2, train_last=2)
         optimizer = train.make_optimizer(clf, settings)
         scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0)
-        loop = train.Loop(clf, optimizer, scheduler, settings, Dist(), torch.device("cpu"), 3, None, {})
+        loop = train.Loop(clf, optimizer, scheduler, settings, Replicated(), 3, None, {})
         assert host_reads(loop, split, monkeypatch) == ["tolist"] * 4, side  # the order, then one a step

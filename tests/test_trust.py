@@ -19,7 +19,7 @@ from llama_scratch import Llama, LlamaClassifier, LlamaConfig, classify, finetun
 from llama_scratch.checkpoints import weights
 from llama_scratch.checkpoints.resume import ResumeError
 from llama_scratch.data.batching import Split
-from llama_scratch.parallel.distributed import Dist
+from llama_scratch.parallel.strategy import Replicated
 from llama_scratch.sources import resolve as sources
 from llama_scratch.training import loop as train
 
@@ -157,7 +157,7 @@ def test_an_interrupt_during_the_last_evaluation_then_resume_records_that_epoch(
         out.mkdir(exist_ok=True)
         torch.manual_seed(0)
         clf = LlamaClassifier(Llama(LlamaConfig.from_name("tiny")), num_classes=2, train_last=1)
-        return train.train(clf, splits, settings, Dist(), torch.device("cpu"), out, resume, None, lambda *a: 0)
+        return train.train(clf, splits, settings, Replicated(), out, resume, None, lambda *a: 0)
 
     whole = run(tmp_path / "whole")
     real, calls = train.evaluate, []
@@ -187,7 +187,7 @@ def test_an_interrupt_while_the_best_weights_are_written_loses_nothing(tmp_path)
         out.mkdir(exist_ok=True)
         torch.manual_seed(0)
         clf = LlamaClassifier(Llama(LlamaConfig.from_name("tiny")), num_classes=2, train_last=1)
-        return train.train(clf, splits, settings, Dist(), torch.device("cpu"), out, resume, on_best, lambda *a: 0)
+        return train.train(clf, splits, settings, Replicated(), out, resume, on_best, lambda *a: 0)
 
     whole = run(tmp_path / "whole", lambda epoch: None)
 
@@ -270,12 +270,13 @@ DIVERGE_SCRIPT = textwrap.dedent(
     import torch.nn.functional as F
 
     from llama_scratch import Llama, LlamaClassifier, LlamaConfig
-    from llama_scratch.parallel import distributed
     from llama_scratch.data.batching import Split
+    from llama_scratch.parallel.strategy import choose_strategy, teardown
     from llama_scratch.training.loop import TrainingDiverged, TrainSettings, train
 
-    env, device = distributed.setup("cpu")
-    if env.rank == 1:  # from the third step on, rank 1's loss reads NaN while its gradients stay finite
+    strategy = choose_strategy("cpu")
+    rank = strategy.processes.rank
+    if rank == 1:  # from the third step on, rank 1's loss reads NaN while its gradients stay finite
         real, calls = F.cross_entropy, []
 
         def nan_loss(*args, **kwargs):
@@ -288,15 +289,15 @@ DIVERGE_SCRIPT = textwrap.dedent(
     split = Split(ids, [i % 2 for i in range(64)])
     torch.manual_seed(0)
     clf = LlamaClassifier(Llama(LlamaConfig.from_name("tiny")), num_classes=2, train_last=1)
-    model = distributed.wrap(clf, env, device)
+    model = strategy.wrap(clf)
     settings = TrainSettings(epochs=1, batch_size=4, save_every=1000)
     try:
         with tempfile.TemporaryDirectory() as out:
-            train(model, {"train": split, "val": split}, settings, env, device, Path(out), log=lambda *a: None)
+            train(model, {"train": split, "val": split}, settings, strategy, Path(out), log=lambda *a: None)
     except TrainingDiverged as e:
         assert "step 3" in str(e), e
-        os.write(1, f"rank {env.rank} ok\\n".encode())
-    distributed.teardown()
+        os.write(1, f"rank {rank} ok\\n".encode())
+    teardown()
     """
 )
 

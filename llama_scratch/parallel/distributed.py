@@ -1,13 +1,13 @@
-"""Several processes, one model replica each: what torchrun sets up and what the training loop needs from it.
+"""Several processes: what torchrun sets up, DDP's wrapper, and the collectives the strategy (strategy.py) uses.
 
 `torchrun --nproc_per_node N` starts N copies of the same command with RANK, LOCAL_RANK and WORLD_SIZE set.
 Each copy trains on its own shard of every batch; DistributedDataParallel averages the gradients, so all
 replicas take the same step. A single process (WORLD_SIZE unset) runs the same code with world size 1.
+The rest of the package does not call these: it asks the strategy, which calls them where they apply.
 """
 
 from __future__ import annotations
 
-import contextlib
 import inspect
 import os
 from dataclasses import dataclass
@@ -24,13 +24,26 @@ COLLECTIVE_TIMEOUT = timedelta(hours=2)
 
 
 @dataclass(frozen=True)
-class Dist:
+class Processes:
+    """Which of how many processes this one is: over all machines (`rank` of `world_size`), and on its own machine
+    (`local_rank`, which picks its GPU). The default is a process alone."""
+
     rank: int = 0
     local_rank: int = 0
     world_size: int = 1
 
+    @classmethod
+    def from_environment(cls) -> Processes:
+        """What torchrun told this process (RANK, LOCAL_RANK, WORLD_SIZE); a process alone when it did not start us."""
+        return cls(
+            rank=int(os.environ.get("RANK", 0)),
+            local_rank=int(os.environ.get("LOCAL_RANK", 0)),
+            world_size=int(os.environ.get("WORLD_SIZE", 1)),
+        )
+
     @property
-    def enabled(self) -> bool:
+    def several(self) -> bool:
+        """More than one process: collectives have someone to talk to."""
         return self.world_size > 1
 
     @property
@@ -39,33 +52,29 @@ class Dist:
         return self.rank == 0
 
 
-def setup(device: str | None = None) -> tuple[Dist, torch.device]:
+def setup(device: str | None = None) -> tuple[Processes, torch.device]:
     """Join the process group when started by torchrun, and choose this process's device.
 
     GPUs: one per process (see `process_device`) and the nccl backend. CPU: the gloo backend.
     """
-    env = Dist(
-        rank=int(os.environ.get("RANK", 0)),
-        local_rank=int(os.environ.get("LOCAL_RANK", 0)),
-        world_size=int(os.environ.get("WORLD_SIZE", 1)),
-    )
-    dev = process_device(device, env, torch.cuda.device_count() if torch.cuda.is_available() else 0)
+    processes = Processes.from_environment()
+    dev = process_device(device, processes, torch.cuda.device_count() if torch.cuda.is_available() else 0)
     if dev.type == "cuda":
         torch.cuda.set_device(dev)
-    if env.enabled and not dist.is_initialized():
+    if processes.several and not dist.is_initialized():
         backend = "nccl" if dev.type == "cuda" else "gloo"
         # Other ranks wait while rank 0 alone downloads a checkpoint or writes a resume point (all of an 8B model's
         # optimizer state is tens of GB): allow that far longer than torch's default of 10 minutes.
         dist.init_process_group(backend, device_id=dev if dev.type == "cuda" else None, timeout=COLLECTIVE_TIMEOUT)
-    return env, dev
+    return processes, dev
 
 
-def process_device(requested: str | None, env: Dist, gpus: int) -> torch.device:
+def process_device(requested: str | None, processes: Processes, gpus: int) -> torch.device:
     """This process's device. Alone: what was asked (`auto`: a GPU if any). Under torchrun each process takes one
     of the GPUs it sees: local rank modulo their count, so that a launcher which shows each process only its own
     GPU (Slurm's --gpus-per-task: CUDA_VISIBLE_DEVICES of one) gives cuda:0, not an invalid cuda:LOCAL_RANK.
     Naming one GPU (`cuda:N`) under torchrun is refused: every process would take the same one."""
-    if not env.enabled:
+    if not processes.several:
         dev = resolve_device(requested)
         return torch.device("cuda", torch.cuda.current_device()) if dev.type == "cuda" and dev.index is None else dev
     if requested not in (None, "auto", "cpu", "cuda"):
@@ -77,7 +86,7 @@ def process_device(requested: str | None, env: Dist, gpus: int) -> torch.device:
         if requested == "cuda":
             raise DeviceError("--device cuda: no CUDA GPU is visible; use --device cpu")
         return torch.device("cpu")
-    return torch.device("cuda", env.local_rank % gpus)
+    return torch.device("cuda", processes.local_rank % gpus)
 
 
 def teardown() -> None:
@@ -86,14 +95,14 @@ def teardown() -> None:
         dist.destroy_process_group()
 
 
-def wrap(model: nn.Module, env: Dist, device: torch.device) -> nn.Module:
+def wrap(model: nn.Module, processes: Processes, device: torch.device) -> nn.Module:
     """DistributedDataParallel when there are several processes; the model itself otherwise.
 
     DDP all-reduces gradients in flat buckets. `gradient_as_bucket_view` makes each parameter's `.grad` a view into
     its bucket, so the gradients exist once, not twice (for all of Llama-3-8B in bfloat16 that is 15 GiB per GPU).
-    The views survive only if the gradients are zeroed rather than deleted between steps (see `train`).
+    The views survive only if the gradients are zeroed rather than deleted between steps (`Replicated.zero_grad`).
     """
-    if not env.enabled:
+    if not processes.several:
         return model
     # Gradients that exist when DDP is built become views of its buckets at once. Left to the first backward, the
     # first step's gradients (all of them, under --grad-accum, where that backward skips the all-reduce) are plain
@@ -107,29 +116,6 @@ def wrap(model: nn.Module, env: Dist, device: torch.device) -> nn.Module:
     accepted = inspect.signature(DistributedDataParallel).parameters
     no_buffer_sync = {"forward_sync_buffers" if "forward_sync_buffers" in accepted else "broadcast_buffers": False}
     return DistributedDataParallel(model, device_ids=device_ids, gradient_as_bucket_view=True, **no_buffer_sync)
-
-
-def is_replicated(model: nn.Module) -> bool:
-    """Wrapped in DDP: every process holds the whole model, gradients live in DDP's all-reduce buckets."""
-    return isinstance(model, DistributedDataParallel)
-
-
-@contextlib.contextmanager
-def gradient_sync(model: nn.Module, sync: bool):
-    """Gradients combined across processes after this backward (`sync`), or only accumulated locally: the
-    micro-batches of a step before its last. DDP: `no_sync`. FSDP2 (sharding.py): the unsharded gradients are
-    kept and reduce-scattered after the last one. One process: nothing to combine."""
-    if sync or not dist.is_initialized():
-        yield
-    elif is_replicated(model):
-        with model.no_sync():
-            yield
-    else:
-        model.set_requires_gradient_sync(False)
-        try:
-            yield
-        finally:
-            model.set_requires_gradient_sync(True)
 
 
 def unwrap(model: nn.Module) -> nn.Module:
@@ -153,7 +139,7 @@ def gather_objects(value) -> list:
     return everyone
 
 
-def on_each_node(make, env: Dist):
+def on_each_node(make, processes: Processes):
     """`make()` (say, fetching the model) run by rank 0 first, then by the first process of every other node: on a
     shared disk they find rank 0's result, on their own disks they make their own. Every process gets its node's
     answer (torchrun numbers the processes of a node consecutively, so its first is rank - local_rank), or raises
@@ -165,17 +151,17 @@ def on_each_node(make, env: Dist):
         except Exception as e:  # handed to every process, raised by each
             return None, e
 
-    result, error = attempt(env.is_main)
-    if not env.enabled:
+    result, error = attempt(processes.is_main)
+    if not processes.several:
         if error is not None:
             raise error
         return result
     _, first_error = broadcast_object((None, error))
     if first_error is not None:
         raise first_error
-    if not env.is_main:
-        result, error = attempt(env.local_rank == 0)
-    result, error = gather_objects((result, error))[env.rank - env.local_rank]
+    if not processes.is_main:
+        result, error = attempt(processes.local_rank == 0)
+    result, error = gather_objects((result, error))[processes.rank - processes.local_rank]
     if error is not None:
         raise error
     return result

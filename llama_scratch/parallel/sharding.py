@@ -49,7 +49,7 @@ from ..model.llama import Llama
 from ..model.lora import LoRASettings, lora_layers, new_adapters
 from ..sources.resolve import load_model, trains_from_scratch
 from . import distributed
-from .distributed import Dist
+from .distributed import Processes
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
@@ -64,17 +64,18 @@ def is_dtensor(t) -> bool:
     return module is not None and isinstance(t, module.DTensor)
 
 
-def make_mesh(env: Dist, device: torch.device, shard_group: int | None = None) -> DeviceMesh:
+def make_mesh(processes: Processes, device: torch.device, shard_group: int | None = None) -> DeviceMesh:
     """The processes as a device mesh: one dimension ("shard") of all N, or with `shard_group` G a 2-D mesh of
     N / G replicas x G shards (hybrid sharding: shards within a node of G GPUs over its fast links, replicas across
     nodes, whose links only carry the gradient all-reduce)."""
     from torch.distributed.device_mesh import init_device_mesh
 
-    if shard_group is None or shard_group == env.world_size:
-        return init_device_mesh(device.type, (env.world_size,), mesh_dim_names=("shard",))
-    if shard_group < 1 or env.world_size % shard_group:
-        raise ValueError(f"--shard-group {shard_group} must divide the number of processes ({env.world_size})")
-    shape = (env.world_size // shard_group, shard_group)
+    world_size = processes.world_size
+    if shard_group is None or shard_group == world_size:
+        return init_device_mesh(device.type, (world_size,), mesh_dim_names=("shard",))
+    if shard_group < 1 or world_size % shard_group:
+        raise ValueError(f"--shard-group {shard_group} must divide the number of processes ({world_size})")
+    shape = (world_size // shard_group, shard_group)
     return init_device_mesh(device.type, shape, mesh_dim_names=("replicate", "shard"))
 
 
@@ -143,15 +144,6 @@ def reshard(model: nn.Module) -> None:
 
 def is_sharded(model: nn.Module) -> bool:
     return any(is_dtensor(p) for p in model.parameters())
-
-
-def batches_to_match(model: nn.Module, mine: int) -> int:
-    """How many batches this process must run beyond its own `mine` so that every process runs as many forwards:
-    sharded, each block's forward gathers the block from every process, so one that stopped early would leave the
-    others waiting (evaluation, the frozen-prefix pass). 0 unsharded: DDP's forwards involve no other process."""
-    if not is_sharded(model):
-        return 0
-    return max(distributed.gather_objects(mine)) - mine
 
 
 def local_rows(t: torch.Tensor) -> tuple[int, int]:
@@ -258,16 +250,18 @@ def full_tensor(t: torch.Tensor) -> torch.Tensor:
     return t.full_tensor() if is_dtensor(t) else t
 
 
-def gathered(named: dict[str, torch.Tensor], env: Dist):
+def gathered(named: dict[str, torch.Tensor], processes: Processes):
     """(name, whole tensor on the CPU) one at a time, in order: on rank 0 the tensor, elsewhere None. Every process
     takes part in each gather; only one whole tensor exists at a time."""
     for name, t in named.items():
         whole = full_tensor(t.detach())
-        yield name, (whole.cpu() if env.is_main else None)
+        yield name, (whole.cpu() if processes.is_main else None)
         del whole
 
 
-def scatter_from_main(named: dict[str, torch.Tensor], source: Callable[[str], torch.Tensor] | None, env: Dist) -> None:
+def scatter_from_main(
+    named: dict[str, torch.Tensor], source: Callable[[str], torch.Tensor] | None, processes: Processes
+) -> None:
     """Set each tensor of `named` (sharded or not) to rank 0's `source(name)`: rank 0 sends each
     whole tensor in turn, every process keeps its rows. How the best weights reach every process without a shared
     disk."""
@@ -275,10 +269,10 @@ def scatter_from_main(named: dict[str, torch.Tensor], source: Callable[[str], to
         start, stop = local_rows(t)
         whole = (
             source(name).to(t.device, t.dtype)
-            if env.is_main
+            if processes.is_main
             else torch.empty(t.shape, dtype=t.dtype, device=local(t).device)
         )
-        if env.enabled:
+        if processes.several:
             dist.broadcast(whole, src=0)
         with torch.no_grad():
             local(t).copy_(whole[start:stop])
@@ -294,13 +288,15 @@ def like_param(value: torch.Tensor, param: torch.Tensor) -> torch.Tensor:
     return DTensor.from_local(value, param.device_mesh, param.placements, shape=param.shape, stride=param.stride())
 
 
-def save_gathered(named: dict[str, torch.Tensor], path: Path, env: Dist, metadata: dict | None = None) -> None:
+def save_gathered(
+    named: dict[str, torch.Tensor], path: Path, processes: Processes, metadata: dict | None = None
+) -> None:
     """Write `named` (sharded or not) as one safetensors file on rank 0, gathering one tensor at a time: the
     header first (from the shapes), then each whole tensor as it arrives; never the whole model at once. Every
     process must call it (each gather is a collective)."""
     seen: set[int] = set()  # a tied embedding under two names is written once, under the first (as save_weights)
     named = {n: t for n, t in named.items() if not (id(t) in seen or seen.add(id(t)))}
-    if env.is_main:
+    if processes.is_main:
         meta = {k: v if isinstance(v, str) else json.dumps(v) for k, v in (metadata or {}).items()}
         entries = [
             TensorToWrite(n, tuple(t.shape), t.dtype, lambda t=t: full_tensor(t.detach())) for n, t in named.items()
@@ -311,46 +307,47 @@ def save_gathered(named: dict[str, torch.Tensor], path: Path, env: Dist, metadat
             full_tensor(t.detach())
 
 
-def read_from_main(named: dict[str, torch.Tensor], path: Path, env: Dist) -> None:
+def read_from_main(named: dict[str, torch.Tensor], path: Path, processes: Processes) -> None:
     """Set `named` to the tensors of rank 0's safetensors file `path`, read there one tensor at a time and
     sent to every process, each keeping its rows: the other processes need not see rank 0's disk."""
-    with safe_open(path, framework="pt") if env.is_main else contextlib.nullcontext() as f:
-        stored = set(f.keys()) if env.is_main else set()
-        missing = distributed.broadcast_object([n for n in named if n not in stored] if env.is_main else None)
+    main = processes.is_main
+    with safe_open(path, framework="pt") if main else contextlib.nullcontext() as f:
+        stored = set(f.keys()) if main else set()
+        missing = distributed.broadcast_object([n for n in named if n not in stored] if main else None)
         if missing:  # every process raises alike, none waits in a collective
             raise CheckpointError(f"{path} lacks {', '.join(missing[:5])}")
-        scatter_from_main(named, f.get_tensor if env.is_main else None, env)
+        scatter_from_main(named, f.get_tensor if main else None, processes)
 
 
 # --- resume points: each process writes its own part ----------------------------------------------------------
 
 
-def part_name(env: Dist) -> str:
-    return f"rank-{env.rank:05d}-of-{env.world_size:05d}.safetensors"
+def part_name(processes: Processes) -> str:
+    return f"rank-{processes.rank:05d}-of-{processes.world_size:05d}.safetensors"
 
 
-def write_parts(directory: Path, env: Dist, write_part) -> None:
+def write_parts(directory: Path, processes: Processes, write_part) -> None:
     """A sharded resume point: every process's part (`write_part(file)`) in a new numbered directory inside
     `directory`; once all have written, rank 0 names it in `directory/current` (one atomic file replace) and removes
     the older ones. A kill at any moment leaves `current` naming a complete point, never a mix of steps."""
     new = None
-    if env.is_main:
+    if processes.is_main:
         directory.mkdir(parents=True, exist_ok=True)
         done = [int(d.name.removeprefix("point-")) for d in directory.iterdir() if POINT.fullmatch(d.name)]
         new = directory / f"point-{max(done, default=0) + 1:08d}"
         new.mkdir()
     new = Path(distributed.broadcast_object(None if new is None else str(new)))
     new.mkdir(parents=True, exist_ok=True)  # a machine that does not share rank 0's disk
-    write_part(new / part_name(env))
+    write_part(new / part_name(processes))
     distributed.barrier()
-    complete = len([f for f in new.iterdir() if PART.fullmatch(f.name)]) == env.world_size
+    complete = len([f for f in new.iterdir() if PART.fullmatch(f.name)]) == processes.world_size
     distributed.barrier()  # every process has looked before rank 0 moves on
     if not complete:  # every process sees alike, and raises alike
         raise ResumeError(
             f"{new} does not hold every process's part: a sharded run's --output must be on a disk that "
             "every machine shares"
         )
-    if env.is_main:
+    if processes.is_main:
         write_text_atomic(directory / CURRENT, new.name + "\n")
         for old in directory.iterdir():
             if POINT.fullmatch(old.name) and old != new:
@@ -379,10 +376,10 @@ def is_resume_dir(directory: Path) -> bool:
     return True
 
 
-def resume_location(single: Path, parts: Path, model: nn.Module, resuming: bool) -> Path:
-    """Where this run keeps its resume point: one file, or a directory of parts when sharded. Resuming, a point of
-    the other kind is refused by name (it would otherwise be ignored and the run would start over)."""
-    mine, other = (parts, single) if is_sharded(model) else (single, parts)
+def resume_location(single: Path, parts: Path, sharded: bool, resuming: bool) -> Path:
+    """Where this run keeps its resume point: one file, or a directory of parts when `sharded`. Resuming, a point
+    of the other kind is refused by name (it would otherwise be ignored and the run would start over)."""
+    mine, other = (parts, single) if sharded else (single, parts)
     if resuming and not mine.exists() and other.exists():
         if other is single:
             raise ResumeError(f"{other} was saved by a run without --shard: resume it without --shard")
@@ -395,19 +392,19 @@ def resume_location(single: Path, parts: Path, model: nn.Module, resuming: bool)
     return mine
 
 
-def part_path(directory: Path, env: Dist) -> Path:
+def part_path(directory: Path, processes: Processes) -> Path:
     """This process's part of the complete resume point in `directory` (a path that does not exist when no save
     was completed); a clear error when it was saved by another number of processes (resume with the same)."""
     current = directory / CURRENT
     name = current.read_text().strip() if current.is_file() else ""
     if not POINT.fullmatch(name) or not (directory / name).is_dir():
         return directory / "no-complete-point"
-    mine = directory / name / part_name(env)
+    mine = directory / name / part_name(processes)
     saved = sorted(f.name for f in (directory / name).iterdir() if PART.fullmatch(f.name))
     if not mine.exists():
         n = saved[0].split("-of-")[1].split(".")[0].lstrip("0") if saved else "no"
         raise ResumeError(
-            f"{directory} was saved by {n} processes, this run has {env.world_size}: resume a sharded "
+            f"{directory} was saved by {n} processes, this run has {processes.world_size}: resume a sharded "
             "run with the same number of processes"
         )
     return mine

@@ -16,8 +16,7 @@ from ..data.batching import (
     length_sorted_batches,
     to_batch,
 )
-from ..parallel import distributed, sharding
-from ..parallel.distributed import Dist
+from ..parallel.strategy import Strategy, unwrap
 
 
 class EvalSettings(Protocol):
@@ -27,34 +26,30 @@ class EvalSettings(Protocol):
     padding_side: str
 
 
-def evaluate(model: nn.Module, split: Split, s: EvalSettings, env: Dist, device, desc: str) -> dict:
-    """See `_evaluate`. Sharded: under no_grad, not inference_mode, whose tensors FSDP2 could not free after."""
-    if not sharding.is_sharded(model):
-        with torch.inference_mode():
-            return _evaluate(model, split, s, env, device, desc)
-    with torch.no_grad():
-        result = _evaluate(model, split, s, env, device, desc)
-    sharding.reshard(model)
-    return result
+def evaluate(model: nn.Module, split: Split, s: EvalSettings, strategy: Strategy, desc: str) -> dict:
+    """See `_evaluate`; without gradients, in the strategy's way (inference_mode; sharded, no_grad, which FSDP2
+    can free after: `Strategy.forwards_only`). `Replicated()` evaluates in one process on the CPU."""
+    with strategy.forwards_only(model):
+        return _evaluate(model, split, s, strategy, desc)
 
 
-def _evaluate(model: nn.Module, split: Split, s: EvalSettings, env: Dist, device, desc: str) -> dict:
+def _evaluate(model: nn.Module, split: Split, s: EvalSettings, strategy: Strategy, desc: str) -> dict:
     """Loss, accuracy and confusion matrix over a whole split, shared out across processes.
 
     Each process takes every N-th row (no padding rows, unlike `DistributedSampler`), so summing the counts
     over processes counts every row exactly once. Rows are sorted by length so batches carry little padding.
     """
-    model = distributed.unwrap(model)
+    model, device, processes = unwrap(model), strategy.device, strategy.processes
     num_classes = model.head.out_features  # the classifier's head says how many classes there are
     was_training = model.training
     model.eval()
-    batches = length_sorted_batches([len(x) for x in split.ids], s.eval_rows, env.rank, env.world_size)
+    batches = length_sorted_batches([len(x) for x in split.ids], s.eval_rows, processes.rank, processes.world_size)
     loss_sum = torch.zeros((), dtype=torch.float64, device=device)
     confusion = torch.zeros(num_classes, num_classes, dtype=torch.float64, device=device)  # [true, predicted]
     # Sharded, every process runs every forward (its blocks are gathered from everyone): one with fewer batches
     # runs a one-row batch more whose result it drops.
-    extra = sharding.batches_to_match(model, len(batches))
-    for k, rows in enumerate(tqdm(batches + [[0]] * extra, desc, leave=False, disable=not env.is_main)):
+    extra = strategy.batches_to_match(len(batches))
+    for k, rows in enumerate(tqdm(batches + [[0]] * extra, desc, leave=False, disable=not strategy.is_main)):
         batch = to_batch(split, rows, s.padding_side, device)
         logits = forward(model, batch).float()
         if k >= len(batches):
@@ -62,7 +57,7 @@ def _evaluate(model: nn.Module, split: Split, s: EvalSettings, env: Dist, device
         loss_sum += F.cross_entropy(logits, batch["labels"], reduction="sum").double()
         flat = batch["labels"] * num_classes + logits.argmax(-1)
         confusion += torch.bincount(flat, minlength=num_classes**2).view(num_classes, num_classes).double()
-    totals = distributed.all_sum(torch.cat([loss_sum.view(1), confusion.flatten()]))
+    totals = strategy.all_sum(torch.cat([loss_sum.view(1), confusion.flatten()]))
     model.train(was_training)
     confusion = totals[1:].view(num_classes, num_classes).cpu()
     n = confusion.sum().item()

@@ -20,8 +20,7 @@ from tqdm.auto import tqdm
 
 from ..checkpoints import resume
 from ..data.batching import Split, forward, to_batch
-from ..parallel import distributed, sharding
-from ..parallel.distributed import Dist
+from ..parallel.strategy import Processes, Replicated, Strategy, optimizer_kernels, unwrap
 from .evaluation import evaluate
 from .interrupts import interrupts_deferred
 from .optim import MasterWeightAdamW
@@ -83,29 +82,32 @@ class TrainingDiverged(RuntimeError):
 # ---------------------------------------------------------------------------------------------- batches
 
 
-def epoch_batches(n: int, epoch: int, s: TrainSettings, env: Dist) -> list[list[int]]:
+def epoch_batches(n: int, epoch: int, s: TrainSettings, processes: Processes) -> list[list[int]]:
     """This process's micro-batches for one epoch, as row indices, in a fixed order given (seed, epoch).
 
     The order comes from `DistributedSampler`: with N processes each takes every N-th row of one shuffled list,
     so batch k of one process with batch size 8 holds the rows of batch k on two with batch size 4: the same
     steps. The last, incomplete batch is dropped: every step has the same size on every process.
     """
-    sampler = DistributedSampler(range(n), num_replicas=env.world_size, rank=env.rank, shuffle=True, seed=s.seed)
+    sampler = DistributedSampler(
+        range(n), num_replicas=processes.world_size, rank=processes.rank, shuffle=True, seed=s.seed
+    )
     sampler.set_epoch(epoch)
     order = list(sampler)
     usable = len(order) // (s.batch_size * s.grad_accum) * s.batch_size * s.grad_accum
     return [order[i : i + s.batch_size] for i in range(0, usable, s.batch_size)]
 
 
-def check_enough_data(n_train: int, s: TrainSettings, env: Dist) -> int:
+def check_enough_data(n_train: int, s: TrainSettings, processes: Processes) -> int:
     """Optimizer steps per epoch (as `epoch_batches` makes them); a clear error when there is not one full step."""
-    rows_per_process = math.ceil(n_train / env.world_size)  # DistributedSampler's share, padded with repeats
+    world_size = processes.world_size
+    rows_per_process = math.ceil(n_train / world_size)  # DistributedSampler's share, padded with repeats
     steps = rows_per_process // (s.batch_size * s.grad_accum)
     if steps == 0:
-        per_step = s.batch_size * s.grad_accum * env.world_size
+        per_step = s.batch_size * s.grad_accum * world_size
         raise ValueError(
             f"the training split has {n_train} rows, fewer than one step needs ({s.batch_size} rows x "
-            f"{s.grad_accum} accumulation x {env.world_size} processes = {per_step}); lower --batch-size, "
+            f"{s.grad_accum} accumulation x {world_size} processes = {per_step}); lower --batch-size, "
             "--grad-accum or the number of processes"
         )
     return steps
@@ -117,9 +119,9 @@ def balanced_weights(labels: list[int], num_classes: int) -> list[float]:
     return (len(labels) / (num_classes * counts.double())).tolist()
 
 
-def epochs_for_min_steps(n_train: int, s: TrainSettings, env: Dist) -> int:
+def epochs_for_min_steps(n_train: int, s: TrainSettings, processes: Processes) -> int:
     """Enough epochs for `s.min_steps` optimizer steps: five epochs of a few dozen rows leave a model where it was."""
-    steps = check_enough_data(n_train, s, env)
+    steps = check_enough_data(n_train, s, processes)
     return max(s.epochs, math.ceil(s.min_steps / steps))
 
 
@@ -129,9 +131,8 @@ def epochs_for_min_steps(n_train: int, s: TrainSettings, env: Dist) -> int:
 def make_optimizer(model: nn.Module, s: TrainSettings) -> torch.optim.AdamW:
     """AdamW over trainable parameters only (frozen ones get no state). Norm gains are not weight-decayed.
 
-    The fused kernel on GPUs and CPUs: no temporaries (foreach briefly copies the state: 15 GB for all of 8B), and
-    fast (the default job's step on 2 CPU cores: 2.1 ms, 17 ms a tensor at a time). Sharded parameters (DTensors)
-    step one tensor at a time: the fused kernel gathered them whole in our simulation (127 GiB a process, 8B on 8).
+    The kernel is chosen for the parameters' kind (`optimizer_kernels`): fused on GPUs and CPUs, one tensor at a
+    time for sharded parameters (DTensors), which the fused kernel would gather whole.
     "float32" `optimizer_state` on low-precision parameters steps float32 masters (MasterWeightAdamW).
     """
     if s.optimizer_state not in ("param", "float32"):
@@ -140,12 +141,9 @@ def make_optimizer(model: nn.Module, s: TrainSettings) -> torch.optim.AdamW:
     decay = [p for p in params if p.ndim >= 2]
     no_decay = [p for p in params if p.ndim < 2]
     groups = [{"params": decay, "weight_decay": s.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
-    sharded = any(sharding.is_dtensor(p) for p in params)
-    fused = (bool(params) and all(p.device.type in ("cuda", "cpu") for p in params) and not sharded) or None
-    foreach = False if sharded else None
     masters = s.optimizer_state == "float32" and any(p.dtype != torch.float32 for p in params)
     return (MasterWeightAdamW if masters else torch.optim.AdamW)(
-        groups, lr=s.lr, betas=(0.9, 0.95), eps=1e-8, fused=fused, foreach=foreach
+        groups, lr=s.lr, betas=(0.9, 0.95), eps=1e-8, **optimizer_kernels(params)
     )
 
 
@@ -166,7 +164,7 @@ def lr_factor(step: int, total: int, s: TrainSettings) -> float:
 
 def trainable_state(model: nn.Module) -> dict[str, torch.Tensor]:
     """The trained parameters only, detached (the frozen backbone is reloaded from its own checkpoint)."""
-    return {name: p.detach() for name, p in distributed.unwrap(model).named_parameters() if p.requires_grad}
+    return {name: p.detach() for name, p in unwrap(model).named_parameters() if p.requires_grad}
 
 
 def save_resume_point(
@@ -192,8 +190,19 @@ def check_same_run(path: Path, record: dict, settings: TrainSettings, identity: 
     resume.check_same_run(path, saved, now)
 
 
-def load_resume_point(path: Path, model, optimizer, scheduler, settings: TrainSettings, identity: dict) -> TrainState:
-    """Continue from `path`, refusing (by name) any setting, data or model that differs from the saved run's."""
+def load_resume_point(
+    path: Path,
+    model,
+    optimizer,
+    scheduler,
+    settings: TrainSettings,
+    identity: dict,
+    strategy: Strategy | None = None,
+) -> TrainState:
+    """Continue from `path`, refusing (by name) any setting, data or model that differs from the saved run's.
+    `strategy` makes the saved tensors like the parameters (a sharded process's rows: DTensors again); the
+    default, one process, takes them whole as saved."""
+    strategy = strategy or Replicated()
     record = resume.read_point(path)
     try:
         state = {k: v for k, v in record["state"].items() if k in {f.name for f in fields(TrainState)}}
@@ -207,9 +216,8 @@ def load_resume_point(path: Path, model, optimizer, scheduler, settings: TrainSe
     except (KeyError, TypeError, AttributeError, ValueError) as e:
         raise resume.ResumeError(f"{path} is not a usable resume point: {e}") from None
     check_same_run(path, record, settings, identity)
-    if sharding.is_sharded(model):  # each process's rows, made DTensors like the parameters again
-        sharding.as_sharded(record, model, optimizer)
-    resume.restore(record, distributed.unwrap(model), optimizer, scheduler, path)
+    strategy.as_resumed(record, model, optimizer)
+    resume.restore(record, unwrap(model), optimizer, scheduler, path)
     return TrainState(**state)
 
 
@@ -220,20 +228,21 @@ RESUME_DIR = "resume.sharded"  # under --shard: one part per process (sharding.w
 
 
 def train_step(
-    model: nn.Module, split: Split, step_rows: list[list[int]], s: TrainSettings, env: Dist, device
+    model: nn.Module, split: Split, step_rows: list[list[int]], s: TrainSettings, strategy: Strategy
 ) -> tuple[torch.Tensor, int]:
     """Forward and backward over one optimizer step's micro-batches, gradients accumulating.
 
     Returns this process's (loss x rows, correct, rows) for the step, kept on the device so that nothing waits
     for the GPU here, and the tokens the step trained on (all processes), counted on the host from the lengths.
     """
+    device = strategy.device
     sums = torch.zeros(3, dtype=torch.float64, device=device)
     weight = None if s.class_weights is None else torch.tensor(s.class_weights, device=device)
     tokens = 0
     for j, rows in enumerate(step_rows):
         batch = to_batch(split, rows, s.padding_side, device)
         # Several processes combine their gradients only after the last micro-batch of a step.
-        with distributed.gradient_sync(model, j == len(step_rows) - 1):
+        with strategy.gradient_sync(model, j == len(step_rows) - 1):
             logits = forward(model, batch)
             micro = F.cross_entropy(logits.float(), batch["labels"], weight=weight) / s.grad_accum
             micro.backward()
@@ -241,7 +250,7 @@ def train_step(
         sums += torch.stack(
             [micro.detach().double() * s.grad_accum * len(rows), correct.double(), sums.new_tensor(len(rows))]
         )
-        tokens += sum(len(split.ids[i]) for i in rows) * env.world_size
+        tokens += sum(len(split.ids[i]) for i in rows) * strategy.processes.world_size
     return sums, tokens
 
 
@@ -256,7 +265,7 @@ def check_finite(totals: list[float], state: TrainState, resume_path: Path) -> N
         )
 
 
-def finish_epoch(state: TrainState, val: dict, complete: bool, on_best, env: Dist, log) -> None:
+def finish_epoch(state: TrainState, val: dict, complete: bool, on_best, log) -> None:
     """Record the epoch in the history, keep the best weights, and move the counters on.
 
     Called with interrupts held (see `train`): the history row, the best-epoch figures, the best weights on disk
@@ -298,45 +307,42 @@ class Loop:
     optimizer: torch.optim.Optimizer
     scheduler: torch.optim.lr_scheduler.LRScheduler
     s: TrainSettings
-    env: Dist
-    device: torch.device
+    strategy: Strategy
     total: int  # optimizer steps the schedule runs for
     resume_path: Path
     identity: dict
 
     def save_point(self, state: TrainState) -> None:
+        """Called by every process: sharded, each writes its rows; replicated, rank 0 writes."""
         parts = (self.model, self.optimizer, self.scheduler, state, self.s, self.identity)
-        if sharding.is_sharded(self.model):  # every process writes its rows
-            sharding.write_parts(self.resume_path, self.env, lambda file: save_resume_point(file, *parts))
-        elif self.env.is_main:
-            save_resume_point(self.resume_path, *parts)
+        self.strategy.save_point(self.resume_path, lambda file: save_resume_point(file, *parts))
 
 
 def train_epoch(loop: Loop, split: Split, state: TrainState) -> bool:
     """One epoch's optimizer steps from where `state` stands; True when it ran to its end (not the step limit)."""
-    s, env = loop.s, loop.env
-    batches = epoch_batches(len(split.ids), state.epoch, s, env)
+    s, strategy = loop.s, loop.strategy
+    batches = epoch_batches(len(split.ids), state.epoch, s, strategy.processes)
     bar = tqdm(
         total=len(batches) // s.grad_accum,
         initial=state.batches_done // s.grad_accum,
         desc=f"epoch {state.epoch + 1}/{s.epochs}",
-        disable=not env.is_main,
+        disable=not strategy.is_main,
     )
     started = time.perf_counter()
     # Resumed after the run's last step but before that epoch's end was recorded: nothing left to step.
     todo = range(state.batches_done, len(batches), s.grad_accum) if state.step < loop.total else range(0)
     for k in todo:
-        sums, tokens = train_step(loop.model, split, batches[k : k + s.grad_accum], s, env, loop.device)
+        sums, tokens = train_step(loop.model, split, batches[k : k + s.grad_accum], s, strategy)
         params = [p for p in loop.model.parameters() if p.requires_grad]
         norm = nn.utils.clip_grad_norm_(params, s.clip_grad if s.clip_grad > 0 else float("inf"))
-        norm = sharding.full_tensor(norm.detach()).to(sums).view(1)  # sharded: the norm of all the rows
-        totals = distributed.all_sum(torch.cat([sums, norm])).tolist()  # one sync a step
+        norm = strategy.full_norm(norm.detach()).to(sums).view(1)  # sharded: the norm of all the rows
+        totals = strategy.all_sum(torch.cat([sums, norm])).tolist()  # one sync a step
         check_finite(totals, state, loop.resume_path)
         with interrupts_deferred():  # weights, optimizer, schedule and counters move together
             loop.optimizer.step()
             loop.scheduler.step()
             # Freed gradients lower the next forward's peak; DDP's are views of its buckets: zeroed instead.
-            loop.optimizer.zero_grad(set_to_none=not distributed.is_replicated(loop.model))
+            strategy.zero_grad(loop.optimizer)
             state.step += 1
             state.batches_done = k + s.grad_accum
             state.epoch_sums = [a + b for a, b in zip(state.epoch_sums, totals[:3], strict=True)]
@@ -369,29 +375,30 @@ def train(
     model: nn.Module,
     splits: dict[str, Split],
     s: TrainSettings,
-    env: Dist,
-    device: torch.device,
+    strategy: Strategy,
     out_dir: Path,
     resume: bool = False,
     on_best=None,
     log=print,
     run_identity: dict | None = None,
 ) -> TrainState:
-    """Train `model` (a classifier, maybe wrapped in DDP) on splits['train'], evaluating on 'val' after each
-    epoch. `on_best(epoch)` is called on every process when validation accuracy improves (rank 0 saves).
-    `run_identity` (model, data, world size, ...) is stored with each resume point; resuming under another refuses.
+    """Train `model` (`strategy.wrap`'s: a classifier, maybe wrapped in DDP or sharded) on splits['train'],
+    evaluating on 'val' after each epoch. `strategy` says how the processes share the work (`Replicated()`: one
+    process on the CPU). `on_best(epoch)` is called on every process when validation accuracy improves (rank 0
+    saves). `run_identity` (model, data, ...) is stored with each resume point with the number of processes;
+    resuming under another refuses.
     """
-    steps_per_epoch = check_enough_data(len(splits["train"].ids), s, env)
+    steps_per_epoch = check_enough_data(len(splits["train"].ids), s, strategy.processes)
     total = steps_per_epoch * s.epochs if s.max_steps is None else min(s.max_steps, steps_per_epoch * s.epochs)
     optimizer = make_optimizer(model, s)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: lr_factor(step, total, s))
-    identity = {"world_size": env.world_size, **(run_identity or {})}
-    where = sharding.resume_location(out_dir / RESUME_FILE, out_dir / RESUME_DIR, model, resume)
-    loop = Loop(model, optimizer, scheduler, s, env, device, total, where, identity)
+    identity = {"world_size": strategy.processes.world_size, **(run_identity or {})}
+    where = strategy.resume_location(out_dir / RESUME_FILE, out_dir / RESUME_DIR, resume)
+    loop = Loop(model, optimizer, scheduler, s, strategy, total, where, identity)
     state = TrainState()
-    point = sharding.part_path(where, env) if where.name == RESUME_DIR and where.exists() else where
+    point = strategy.resume_part(where)
     if resume and point.exists():
-        state = load_resume_point(point, model, optimizer, scheduler, s, identity)
+        state = load_resume_point(point, model, optimizer, scheduler, s, identity, strategy)
         log(f"resuming from {loop.resume_path}: epoch {state.epoch + 1}, step {state.step}")
     elif resume:
         log(f"--resume: no resume point at {loop.resume_path}; starting from the beginning")
@@ -399,9 +406,9 @@ def train(
     try:
         while more_to_do(state, s, total):
             complete = train_epoch(loop, splits["train"], state)
-            val = evaluate(model, splits["val"], s, env, device, "evaluating val")
+            val = evaluate(model, splits["val"], s, strategy, "evaluating val")
             with interrupts_deferred():  # the epoch's record, best weights and resume point: all or nothing
-                finish_epoch(state, val, complete, on_best, env, log)
+                finish_epoch(state, val, complete, on_best, log)
                 loop.save_point(state)
             if not complete:
                 break  # max_steps reached inside the epoch

@@ -16,8 +16,7 @@ from tqdm.auto import tqdm
 from ..data.batching import Split, collate, length_sorted_batches
 from ..model.classifier import LlamaClassifier
 from ..model.packing import pack_ids
-from ..parallel import distributed, sharding
-from ..parallel.distributed import Dist
+from ..parallel.strategy import Replicated, Strategy
 from ..sources.devices import free_memory, memory_budget
 
 
@@ -42,7 +41,7 @@ def compute_frozen_states(
     pad_id: int,
     batch_size: int = 16,
     show: bool = True,
-    env: Dist | None = None,
+    strategy: Strategy | None = None,
     name: str = "",
     packed: bool = False,
 ) -> list[torch.Tensor]:
@@ -51,40 +50,40 @@ def compute_frozen_states(
     Texts go through in batches sorted by length, right-padded (which keeps each row's real positions identical to
     running it alone: causal attention never looks ahead) or packed without padding (`packed`, packing.py). Sorted
     batches carry little padding, so packing gains less here (1.09x, benchmarks/RESULTS.md); `cache_splits` packs.
-    Several processes (DDP or --shard) each compute every N-th text and then exchange them: all end up with every
-    text, since the training loop deals the rows out afresh every epoch (train.epoch_batches) and evaluation deals
-    out each split by length. Sharded, each frozen block's forward gathers its parameters from every process, so
-    every process runs as many forwards as the busiest: one with fewer batches runs a one-text batch more, dropped.
+    Several processes (DDP or --shard: `strategy`, one process without) each compute every N-th text and then
+    exchange them: all end up with every text, since the training loop deals the rows out afresh every epoch
+    (train.epoch_batches) and evaluation deals out each split by length. Sharded, each frozen block's forward
+    gathers its parameters from every process, so every process runs as many forwards as the busiest: one with
+    fewer batches runs a one-text batch more, dropped.
     """
-    env = env or Dist()  # one process
     device, dtype = clf.head.weight.device, clf.backbone.embed_tokens.weight.dtype
+    strategy = strategy or Replicated(device=device)
+    processes = strategy.processes
     states: list[torch.Tensor] = [torch.empty(0)] * len(token_lists)
-    batches = length_sorted_batches([len(x) for x in token_lists], batch_size, env.rank, env.world_size)
-    extra = sharding.batches_to_match(clf, len(batches))
-    desc, quiet = f"caching frozen layers {name}".strip(), not (show and env.is_main)
-    for k, rows in enumerate(tqdm(batches + [[0]] * extra, desc, leave=False, disable=quiet)):
-        if packed:  # no padding: each text's states are its own stretch of the stream
-            ids, layout = pack_ids([token_lists[i] for i in rows], device)
-            out = layout.split(clf.frozen_prefix(ids, packed=layout))
-        else:
-            batch = collate([(token_lists[i], 0) for i in rows], pad_id)
-            ids, mask = batch["input_ids"].to(device), batch["attention_mask"].to(device)
-            x = clf.frozen_prefix(ids, mask, padding_side="right")
-            out = [x[row, : len(token_lists[i])] for row, i in enumerate(rows)]
-        for i, s in zip(rows, out, strict=True):
-            if k < len(batches):  # not the batch a sharded process runs only to take part
-                states[i] = s.clone()
-    sharding.reshard(clf)  # sharded, the root's parameters stay gathered after its forward (it expects a backward)
-    if env.enabled:
-        mine = [i for rows in batches for i in rows]
-        everyone = distributed.all_gather_rows(mine, [states[i] for i in mine], clf.backbone.cfg.dim, dtype, device)
-        states = [everyone[i] for i in range(len(token_lists))]
-    return states
+    batches = length_sorted_batches([len(x) for x in token_lists], batch_size, processes.rank, processes.world_size)
+    extra = strategy.batches_to_match(len(batches))
+    desc, quiet = f"caching frozen layers {name}".strip(), not (show and strategy.is_main)
+    # Not inference_mode: training reads these states. Sharded, the root's parameters stay gathered after its
+    # forward (it expects a backward): freed when the pass ends.
+    with strategy.forwards_only(clf, inference=False):
+        for k, rows in enumerate(tqdm(batches + [[0]] * extra, desc, leave=False, disable=quiet)):
+            if packed:  # no padding: each text's states are its own stretch of the stream
+                ids, layout = pack_ids([token_lists[i] for i in rows], device)
+                out = layout.split(clf.frozen_prefix(ids, packed=layout))
+            else:
+                batch = collate([(token_lists[i], 0) for i in rows], pad_id)
+                ids, mask = batch["input_ids"].to(device), batch["attention_mask"].to(device)
+                x = clf.frozen_prefix(ids, mask, padding_side="right")
+                out = [x[row, : len(token_lists[i])] for row, i in enumerate(rows)]
+            for i, s in zip(rows, out, strict=True):
+                if k < len(batches):  # not the batch a sharded process runs only to take part
+                    states[i] = s.clone()
+    mine = [i for rows in batches for i in rows]
+    everyone = strategy.exchange_rows(mine, [states[i] for i in mine], clf.backbone.cfg.dim, dtype)
+    return [everyone[i] for i in range(len(token_lists))]
 
 
-def use_cache(
-    choice: str, clf: LlamaClassifier, ids: dict[str, list[list[int]]], device: torch.device, env: Dist, log
-) -> bool:
+def use_cache(choice: str, clf: LlamaClassifier, ids: dict[str, list[list[int]]], strategy: Strategy, log) -> bool:
     """Whether to cache the frozen layers' output: there must be frozen blocks, and (auto) room to keep it.
 
     With several processes (DDP or --shard) every process must decide alike (computing the cache is collective), so
@@ -95,21 +94,20 @@ def use_cache(
         return False
     size = cache_bytes(list(distinct_texts(itertools.chain(*ids.values()))), clf)  # each distinct text once
     if choice == "auto":
+        device = strategy.device
         room = min(memory_budget(device), free_memory(device) // 2)  # the rest is for training itself
-        if device.type == "cpu":
-            room //= env.world_size
-        if size > distributed.smallest(room):
+        if size > strategy.least_room(room):
             log(
                 f"not caching the frozen layers: {size / 2**30:.1f} GiB exceeds a quarter of the device's memory "
                 "or half of what is free (--cache-frozen on to insist)"
             )
             return False
-    each = " in each process" if env.enabled else ""
+    each = strategy.per_process(" in each process")
     log(f"caching the output of the {frozen} frozen blocks for every text ({size / 2**20:,.0f} MiB{each})")
     return True
 
 
-def cache_splits(clf: LlamaClassifier, splits: dict[str, Split], rows: int, env: Dist) -> dict[str, Split]:
+def cache_splits(clf: LlamaClassifier, splits: dict[str, Split], rows: int, strategy: Strategy) -> dict[str, Split]:
     """The same splits, each text carrying its frozen-prefix output (the training loop then runs only the rest).
 
     Every distinct text runs once, whichever splits hold it, and its copies share one tensor: labelled data often
@@ -117,7 +115,7 @@ def cache_splits(clf: LlamaClassifier, splits: dict[str, Split], rows: int, env:
     """
     distinct = distinct_texts(itertools.chain(*(split.ids for split in splits.values())))
     pad_id = next(iter(splits.values())).pad_id
-    states = compute_frozen_states(clf, [list(ids) for ids in distinct], pad_id, rows, env=env, packed=True)
+    states = compute_frozen_states(clf, [list(ids) for ids in distinct], pad_id, rows, strategy=strategy, packed=True)
     return {
         k: Split(v.ids, v.labels, [states[distinct[tuple(ids)]] for ids in v.ids], v.pad_id) for k, v in splits.items()
     }

@@ -25,9 +25,7 @@ from pathlib import Path
 
 from ..checkpoints.atomic import write_atomic, write_text_atomic
 from ..checkpoints.hf_layout import RUN_MARKER
-from ..parallel import distributed
-from ..parallel.distributed import Dist
-from ..parallel.sharding import is_resume_dir
+from ..parallel.strategy import Strategy, is_resume_dir
 from .loop import RESUME_DIR, RESUME_FILE
 
 RUNS_DIR = Path("runs")  # where runs go when --output is not given
@@ -270,18 +268,23 @@ def write_results(out: Path, run_id: str, metrics: dict, meta: dict, history: li
         remove_ours(out / name)
 
 
-def start_output(out: Path, resume: bool, pointed: bool, env: Dist, flags: dict) -> None:
+def start_output(out: Path, resume: bool, pointed: bool, strategy: Strategy, flags: dict) -> None:
     """A fresh run clears what an earlier run of ours left in `out` (check_output has refused anything else), and
-    records the flags it was started with (a resumed run keeps the record it was started with)."""
-    distributed.barrier()
-    if env.is_main:
-        if not resume:
-            clear_run(out)
-        out.mkdir(parents=True, exist_ok=True)
-        if not (out / MARKER).exists():
-            write_text_atomic(out / MARKER, "llama_scratch fine-tuning run: this tool may replace the files here\n")
-        if not (out / FLAGS_FILE).exists():
-            write_text_atomic(out / FLAGS_FILE, json.dumps(flags, indent=2) + "\n")
-        if pointed:  # a default output folder: runs/latest points at it
-            point_latest(out)
-    distributed.barrier()
+    records the flags it was started with (a resumed run keeps the record it was started with). Rank 0 does it,
+    once every process has checked `out` (a process that looked after would find the run started and refuse);
+    the others go on once it is done, or raise its error."""
+    strategy.barrier()
+    strategy.on_main(lambda: make_output(out, resume, pointed, flags))
+
+
+def make_output(out: Path, resume: bool, pointed: bool, flags: dict) -> None:
+    """`start_output`'s work, in one process."""
+    if not resume:
+        clear_run(out)
+    out.mkdir(parents=True, exist_ok=True)
+    if not (out / MARKER).exists():
+        write_text_atomic(out / MARKER, "llama_scratch fine-tuning run: this tool may replace the files here\n")
+    if not (out / FLAGS_FILE).exists():
+        write_text_atomic(out / FLAGS_FILE, json.dumps(flags, indent=2) + "\n")
+    if pointed:  # a default output folder: runs/latest points at it
+        point_latest(out)

@@ -1,0 +1,380 @@
+"""How the processes share a run, decided once at start-up: the object the rest of the package asks.
+
+The loop, evaluation, saving, the best weights' reload, the frozen-prefix cache and resume points differ between
+one process, DDP and FSDP2. Instead of each asking "sharded? how many processes? am I rank 0?", the command
+chooses a strategy once (`choose_strategy`) and passes it where those decisions are made:
+
+- `Replicated`: 1..N processes, each holding a whole replica of the model (DistributedDataParallel when N > 1).
+  With one process every collective is a no-op, so one process, a notebook and DDP take the same path.
+- `Sharded`: N > 1 processes under `--shard`, FSDP2 (sharding.py): each holds 1/N of every parameter, gradient
+  and optimizer moment, over the device mesh the strategy holds.
+
+What both share (logging on rank 0, rank 0 deciding for everyone, sums and exchanges across processes) is in
+`Strategy`; what differs is a method each of the two defines. Lightning Fabric's strategies and torchtitan's
+ParallelDims are the same idea at a larger scale; this is the part this project needs, and no more.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import warnings
+from abc import ABC, abstractmethod
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, TypeVar
+
+import torch
+from safetensors.torch import load_file
+from torch import nn
+
+from ..checkpoints.weights import copy_named_tensors, save_weights
+from ..model.classifier import LlamaClassifier
+from ..model.lora import LoRASettings
+from ..sources.resolve import load_model
+from . import distributed, sharding
+from .distributed import Processes, teardown, unwrap
+from .sharding import is_resume_dir
+
+if TYPE_CHECKING:
+    from torch.distributed.device_mesh import DeviceMesh
+
+# What the rest of the package imports from the parallel folder: this module is its interface.
+__all__ = [
+    "Processes",
+    "Replicated",
+    "Sharded",
+    "Strategy",
+    "choose_strategy",
+    "is_resume_dir",
+    "optimizer_kernels",
+    "teardown",
+    "unwrap",
+]
+
+T = TypeVar("T")
+
+
+def choose_strategy(device: str | None = None, shard: bool = False, shard_group: int | None = None) -> Strategy:
+    """Join torchrun's process group when it started this process, choose the process's device (`device`: the
+    --device flag), and decide how the processes share the model: `Sharded` for `shard` with several processes,
+    with its mesh (`shard_group`: hybrid sharding, see sharding.make_mesh); `Replicated` otherwise. A `--shard` run
+    of one process is a plain one: alone there is nothing to share out."""
+    processes, dev = distributed.setup(device)
+    if shard and processes.several:
+        return Sharded(processes, dev, sharding.make_mesh(processes, dev, shard_group))
+    return Replicated(processes, dev)
+
+
+def optimizer_kernels(params: list[torch.Tensor]) -> dict[str, bool | None]:
+    """AdamW's `fused` and `foreach` arguments for these parameters. The fused kernel on GPUs and CPUs: no
+    temporaries (foreach briefly copies the state: 15 GB for all of 8B), and fast (the default job's step on 2 CPU
+    cores: 2.1 ms, 17 ms a tensor at a time). Sharded parameters (DTensors) step one tensor at a time: the fused
+    kernel gathered them whole in our simulation (127 GiB a process, 8B on 8).
+
+    Read from the tensors rather than asked of a strategy: the optimizer is built from whatever parameters it is
+    given (benchmarks build it on sharded models of their own), and it is the tensors' kind that the kernel cares
+    about."""
+    sharded = any(sharding.is_dtensor(p) for p in params)
+    fused = (bool(params) and all(p.device.type in ("cuda", "cpu") for p in params) and not sharded) or None
+    return {"fused": fused, "foreach": False if sharded else None}
+
+
+@dataclass(frozen=True)
+class Strategy(ABC):
+    """This process's place among the processes of a run, its device, and every decision that depends on them."""
+
+    processes: Processes = field(default_factory=Processes)
+    device: torch.device = field(default_factory=lambda: torch.device("cpu"))
+
+    # --- what every process shares, whatever holds the model ---------------------------------------------------
+
+    @property
+    def is_main(self) -> bool:
+        """Rank 0: it alone prints, draws progress bars, writes the run's files and decides for everyone."""
+        return self.processes.is_main
+
+    def log(self, *args, **kwargs) -> None:
+        """`print` on rank 0 only: N processes would print every line N times."""
+        if self.is_main:
+            print(*args, **kwargs)
+
+    def quiet_elsewhere(self, *categories: type[Warning]) -> None:
+        """Ignore these warnings except on rank 0: every process reads the same data, and would repeat rank 0's
+        warnings about it word for word."""
+        if not self.is_main:
+            for category in categories:
+                warnings.simplefilter("ignore", category)
+
+    def on_main(self, fn: Callable[[], T]) -> T:
+        """`fn()` run by rank 0 alone; every process returns its result or raises its error. For what must be
+        decided once (a path, a dtype when free memory differs, a run id) and for files rank 0 alone reads or
+        writes: a process that failed alone would leave the others waiting in the next collective for hours."""
+        if not self.processes.several:
+            return fn()
+        result, error = None, None
+        if self.is_main:
+            try:
+                result = fn()
+            except Exception as e:  # handed to every process, raised by each
+                error = e
+        result, error = distributed.broadcast_object((result, error))
+        if error is not None:
+            raise error
+        return result
+
+    def on_each_node(self, make: Callable[[], T]) -> T:
+        """`make()` (say, fetching the model) on rank 0, then on the first process of every other node, which may
+        not share rank 0's disk; every process gets its node's answer (distributed.on_each_node)."""
+        return distributed.on_each_node(make, self.processes)
+
+    def barrier(self) -> None:
+        """Every process arrives before any goes on (say, all have looked at a directory before rank 0 changes it)."""
+        if self.processes.several:
+            distributed.barrier()
+
+    def all_sum(self, values: torch.Tensor) -> torch.Tensor:
+        """Element-wise sum over the processes (the values themselves alone)."""
+        return distributed.all_sum(values) if self.processes.several else values
+
+    def least_room(self, room: int) -> int:
+        """The bytes each process may spend, alike on every process: a decision all must take alike (say, whether
+        to cache), since a process that decides otherwise would wait in a collective the others skip. The
+        tightest process's `room` decides; processes on a CPU share the host's memory, so each gets its share."""
+        if self.device.type == "cpu":
+            room //= self.processes.world_size
+        return distributed.smallest(room) if self.processes.several else room
+
+    def exchange_rows(
+        self, indices: list[int], rows: list[torch.Tensor], width: int, dtype: torch.dtype
+    ) -> dict[int, torch.Tensor]:
+        """Every process's `rows` ([length, width] tensors) by their `indices`, on every process (one collective:
+        distributed.all_gather_rows); alone, its own."""
+        if not self.processes.several:
+            return dict(zip(indices, rows, strict=True))
+        return distributed.all_gather_rows(indices, rows, width, dtype, self.device)
+
+    def per_process(self, words: str) -> str:
+        """`words` when several processes run, nothing alone: for a log line whose figure each process holds."""
+        return words if self.processes.several else ""
+
+    # --- what depends on how the model is held ------------------------------------------------------------------
+
+    @abstractmethod
+    def describe(self) -> str:
+        """What the 'training N parameters on DEVICE' line adds about the processes."""
+
+    @property
+    @abstractmethod
+    def refuses_unfit_replica(self) -> bool:
+        """Whether a run whose replica cannot fit must be refused before it loads (planning.report's
+        `refuse_unfit_replica`, which the command calls: planning is not the parallel folder's to import)."""
+
+    @abstractmethod
+    def build_classifier(
+        self, ref: str, dtype: torch.dtype, num_classes: int, train_last: int | None, lora: LoRASettings | None
+    ) -> LlamaClassifier:
+        """The classifier on this process's device: the backbone loaded from `ref`, and a fresh head (and LoRA
+        adapters), drawn as one process draws them."""
+
+    @abstractmethod
+    def wrap(self, clf: LlamaClassifier) -> nn.Module:
+        """The model the loop trains."""
+
+    @abstractmethod
+    def gradient_sync(self, model: nn.Module, sync: bool) -> contextlib.AbstractContextManager:
+        """A backward's context: gradients combined across processes after it (`sync`, a step's last
+        micro-batch), or only accumulated locally (the micro-batches before)."""
+
+    @abstractmethod
+    def zero_grad(self, optimizer: torch.optim.Optimizer) -> None:
+        """Gradients cleared after a step."""
+
+    @abstractmethod
+    def full_norm(self, norm: torch.Tensor) -> torch.Tensor:
+        """The gradient norm `clip_grad_norm_` returned, as the norm of the whole model's gradients."""
+
+    @abstractmethod
+    def forwards_only(self, model: nn.Module, inference: bool = True) -> contextlib.AbstractContextManager:
+        """The context of a pass of forwards without backward (evaluation; with `inference` False, outputs that
+        training reads later: the frozen-prefix cache, which inference tensors could not be)."""
+
+    @abstractmethod
+    def batches_to_match(self, mine: int) -> int:
+        """How many batches beyond its own `mine` this process runs, so that every process runs as many forwards
+        (it drops their results)."""
+
+    @abstractmethod
+    def save_trained(self, named: dict[str, torch.Tensor], path: Path, metadata: dict | None = None) -> None:
+        """`named` as one safetensors file written by rank 0. Every process calls it."""
+
+    @abstractmethod
+    def load_trained(self, model: nn.Module, named: dict[str, torch.Tensor], path: Path) -> None:
+        """`named` (parameters of `model`) set to rank 0's file `path`, which the other processes need not see
+        (several machines, no shared disk): rank 0 reads, every process receives. Every process calls it."""
+
+    @abstractmethod
+    def resume_location(self, single: Path, parts: Path, resuming: bool) -> Path:
+        """Where this run keeps its resume point: the file `single`, or the directory `parts` of one part per
+        process. Resuming, a point of the other kind is refused by name (sharding.resume_location)."""
+
+    @abstractmethod
+    def resume_part(self, where: Path) -> Path:
+        """The file this process reads from the resume point at `where` (it may not exist: nothing was saved)."""
+
+    @abstractmethod
+    def save_point(self, where: Path, write: Callable[[Path], None]) -> None:
+        """A resume point at `where`, written by `write(file)`. Every process calls it."""
+
+    @abstractmethod
+    def as_resumed(self, record: dict, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
+        """A read resume point's tensors (resume.read_point) made like the parameters they are restored into."""
+
+
+@dataclass(frozen=True)
+class Replicated(Strategy):
+    """Every process holds the whole model: one process alone, or DDP's replicas. `Replicated()` is one process on
+    the CPU; `Replicated(device=torch.device("cuda", 0))` one on a GPU."""
+
+    def describe(self) -> str:
+        return ""  # DDP's processes say nothing: the same training, faster
+
+    @property
+    def refuses_unfit_replica(self) -> bool:
+        """Several processes on GPUs: the refusal names --shard, the way out that several processes have."""
+        return self.processes.several and self.device.type == "cuda"
+
+    def build_classifier(
+        self, ref: str, dtype: torch.dtype, num_classes: int, train_last: int | None, lora: LoRASettings | None
+    ) -> LlamaClassifier:
+        """The backbone streamed onto the device (sources.load_model), the head put on."""
+        backbone = load_model(ref, device=self.device, dtype=dtype, progress=self.is_main)
+        return LlamaClassifier(backbone, num_classes=num_classes, train_last=train_last, lora=lora)
+
+    def wrap(self, clf: LlamaClassifier) -> nn.Module:
+        """DistributedDataParallel with several processes (distributed.wrap); the classifier itself alone."""
+        return distributed.wrap(clf, self.processes, self.device)
+
+    def gradient_sync(self, model: nn.Module, sync: bool) -> contextlib.AbstractContextManager:
+        """DDP: `no_sync` before a step's last micro-batch. One process: nothing to combine."""
+        if sync or not self.processes.several:
+            return contextlib.nullcontext()
+        return model.no_sync()
+
+    def zero_grad(self, optimizer: torch.optim.Optimizer) -> None:
+        """Freed gradients lower the next forward's peak; DDP's are views of its buckets: zeroed instead, or the
+        next backward would allocate them again beside the buckets (distributed.wrap)."""
+        optimizer.zero_grad(set_to_none=not self.processes.several)
+
+    def full_norm(self, norm: torch.Tensor) -> torch.Tensor:
+        return norm  # every process holds every gradient (DDP's already averaged)
+
+    def forwards_only(self, model: nn.Module, inference: bool = True) -> contextlib.AbstractContextManager:
+        return torch.inference_mode() if inference else torch.no_grad()
+
+    def batches_to_match(self, mine: int) -> int:
+        return 0  # a replica's forward involves no other process
+
+    def save_trained(self, named: dict[str, torch.Tensor], path: Path, metadata: dict | None = None) -> None:
+        """Rank 0 holds every tensor whole: it writes them, the others have nothing to add."""
+        if self.is_main:
+            save_weights({k: v.detach() for k, v in named.items()}, path, metadata)
+
+    def load_trained(self, model: nn.Module, named: dict[str, torch.Tensor], path: Path) -> None:
+        """Rank 0 reads the file into `model` (every name and shape checked), then sends `named` to the others."""
+        if self.is_main:
+            copy_named_tensors(unwrap(model), load_file(path, device=str(self.device)), str(path))
+        if self.processes.several:
+            distributed.broadcast_parameters(list(named.values()))
+
+    def resume_location(self, single: Path, parts: Path, resuming: bool) -> Path:
+        return sharding.resume_location(single, parts, sharded=False, resuming=resuming)
+
+    def resume_part(self, where: Path) -> Path:
+        return where  # one file, written by rank 0, read by every process
+
+    def save_point(self, where: Path, write: Callable[[Path], None]) -> None:
+        if self.is_main:  # the replicas are equal: rank 0's is the run's
+            write(where)
+
+    def as_resumed(self, record: dict, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
+        pass  # the saved tensors are whole, as the parameters are
+
+
+@dataclass(frozen=True)
+class Sharded(Strategy):
+    """FSDP2 over `mesh`: each process holds its rows of every parameter (sharding.py)."""
+
+    mesh: DeviceMesh | None = None
+
+    def describe(self) -> str:
+        return f", sharded across {self.processes.world_size} processes"
+
+    @property
+    def refuses_unfit_replica(self) -> bool:
+        return False  # no process holds a replica; --plan checks what each holds
+
+    def build_classifier(
+        self, ref: str, dtype: torch.dtype, num_classes: int, train_last: int | None, lora: LoRASettings | None
+    ) -> LlamaClassifier:
+        """Built on the meta device, sharded, then each process reads only its rows (sharding.sharded_classifier)."""
+        return sharding.sharded_classifier(
+            ref, dtype, num_classes, train_last, lora, self.mesh, self.device, progress=self.is_main
+        )
+
+    def wrap(self, clf: LlamaClassifier) -> nn.Module:
+        return clf  # fully_shard wrapped it in place when it was built
+
+    @contextlib.contextmanager
+    def gradient_sync(self, model: nn.Module, sync: bool):
+        """Before a step's last micro-batch the unsharded gradients are kept, and reduce-scattered after the last."""
+        if sync:
+            yield
+            return
+        model.set_requires_gradient_sync(False)
+        try:
+            yield
+        finally:
+            model.set_requires_gradient_sync(True)
+
+    def zero_grad(self, optimizer: torch.optim.Optimizer) -> None:
+        optimizer.zero_grad(set_to_none=True)  # freed: the next forward's peak is lower without them
+
+    def full_norm(self, norm: torch.Tensor) -> torch.Tensor:
+        return sharding.full_tensor(norm)  # the norm over every process's rows, not this process's alone
+
+    @contextlib.contextmanager
+    def forwards_only(self, model: nn.Module, inference: bool = True):
+        """Under no_grad, never inference_mode, whose tensors FSDP2 could not free after; then every gathered
+        parameter freed (sharding.reshard: FSDP2 keeps the root's gathered after a forward, for the backward)."""
+        with torch.no_grad():
+            yield
+        sharding.reshard(model)
+
+    def batches_to_match(self, mine: int) -> int:
+        """Each block's forward gathers the block from every process, so one that stopped early would leave the
+        others waiting: every process runs as many batches as the busiest."""
+        return max(distributed.gather_objects(mine)) - mine
+
+    def save_trained(self, named: dict[str, torch.Tensor], path: Path, metadata: dict | None = None) -> None:
+        """Gathered one tensor at a time, written by rank 0 (sharding.save_gathered)."""
+        sharding.save_gathered(named, path, self.processes, metadata)
+
+    def load_trained(self, model: nn.Module, named: dict[str, torch.Tensor], path: Path) -> None:
+        """Rank 0 reads one tensor at a time and sends it; every process keeps its rows (sharding.read_from_main)."""
+        sharding.read_from_main(named, path, self.processes)
+
+    def resume_location(self, single: Path, parts: Path, resuming: bool) -> Path:
+        return sharding.resume_location(single, parts, sharded=True, resuming=resuming)
+
+    def resume_part(self, where: Path) -> Path:
+        """This process's part of the complete point (sharding.part_path)."""
+        return sharding.part_path(where, self.processes) if where.exists() else where
+
+    def save_point(self, where: Path, write: Callable[[Path], None]) -> None:
+        """Every process writes its rows (sharding.write_parts: a numbered point, named once complete)."""
+        sharding.write_parts(where, self.processes, write)
+
+    def as_resumed(self, record: dict, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
+        """Each process's saved rows made DTensors like the parameters again (sharding.as_sharded)."""
+        sharding.as_sharded(record, model, optimizer)
