@@ -20,6 +20,7 @@ import torch
 from safetensors.torch import load_file
 
 from .checkpoints.resume import ResumeError, read_point
+from .checkpoints.run_record import WEIGHTS_FILE, RunRecord, new_record
 from .checkpoints.weights import copy_named_tensors, save_weights
 from .data.batching import Split, default_max_length, encode_texts
 from .data.labelled import DataWarning, LabelledTexts, load_dataset
@@ -67,8 +68,6 @@ from .training.loop import (
 from .training.prefix_cache import cache_splits, use_cache
 from .training.run_dir import (
     BEST_FILE,
-    RESULT_WEIGHTS,
-    base_model_record,
     check_output,
     default_output,
     interrupted,
@@ -338,7 +337,7 @@ def run(args: argparse.Namespace, progress: Progress | None = None) -> dict:
     metrics = final_metrics(job, model, clf, splits, settings, state)
     run_id = distributed.broadcast_object(new_run_id())
     progress.phase = "writing the results"
-    save(out / RESULT_WEIGHTS, {"run_id": run_id})  # every process: a sharded model is gathered tensor by tensor
+    save(out / WEIGHTS_FILE, {"run_id": run_id})  # every process: a sharded model is gathered tensor by tensor
     if env.is_main:
         meta = classifier_meta(job, clf, tokenizer_ref, max_length, settings)
         write_results(out, run_id, metrics, meta, state.history)
@@ -389,22 +388,24 @@ def check_resume_point(job: Job, settings: TrainSettings) -> None:
 
 def classifier_meta(
     job: Job, clf: LlamaClassifier, tokenizer_ref: str, max_length: int, settings: TrainSettings
-) -> dict:
-    """classifier.json: what `classify` needs to rebuild the classifier, and how it was trained."""
+) -> RunRecord:
+    """The run record (classifier.json): what `classify` needs to rebuild the classifier, and how it was trained."""
     choice = job.choice
-    return {
-        **base_model_record(choice.ref, choice.repo_id, job.out),
-        "weights_include_backbone": choice.from_scratch,
-        "config": clf.backbone.cfg.to_hf_dict(),
-        "num_classes": job.data.num_classes,
-        "label_names": job.data.label_names,
-        "train_last": choice.train_last,
-        "lora": choice.lora.record(clf.lora_blocks) if choice.lora else None,
-        "tokenizer": tokenizer_ref,
-        "max_length": max_length,
-        "dtype": str(choice.dtype).removeprefix("torch."),
-        "settings": dataclasses.asdict(settings),
-    }
+    return new_record(
+        model_ref=choice.ref,
+        repo_id=choice.repo_id,
+        out=job.out,
+        from_scratch=choice.from_scratch,
+        config=clf.backbone.cfg,
+        label_names=job.data.label_names,
+        train_last=choice.train_last,
+        lora=choice.lora,
+        lora_blocks=clf.lora_blocks,
+        tokenizer=tokenizer_ref,
+        max_length=max_length,
+        dtype=choice.dtype,
+        settings=dataclasses.asdict(settings),
+    )
 
 
 def run_identity(job: Job, max_length: int) -> dict:

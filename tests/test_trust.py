@@ -320,6 +320,57 @@ def test_the_classify_command_reports_a_bad_run_in_one_line(tmp_path):
     assert r.returncode == 2 and r.stderr.startswith("error:") and len(r.stderr.strip().splitlines()) == 1, r.stderr
 
 
+def test_the_run_record_reads_back_as_written_and_names_a_bad_key(tmp_path):
+    """classifier.json is written and read by run_record alone: a record reads back as it was written (its LoRA entry
+    as LoRASettings plus blocks), and a key a run would not write is one line naming the file and the key."""
+    import dataclasses
+
+    from llama_scratch.checkpoints import run_record
+    from llama_scratch.model.lora import LoRASettings
+
+    run = tmp_path / "run"
+    run.mkdir()
+    record = run_record.new_record(
+        model_ref="tiny",
+        repo_id=None,
+        out=run,
+        from_scratch=False,
+        config=LlamaConfig.from_name("tiny"),
+        label_names=["ham", "spam"],
+        train_last=2,
+        lora=LoRASettings(4, targets=("v", "q")),
+        lora_blocks=[2, 3],
+        tokenizer="llama3",
+        max_length=48,
+        dtype=torch.bfloat16,
+        settings={"lr": 1e-3},
+    )
+    written = dataclasses.replace(record, run_id="r1")
+    path = run_record.write_record(run, written)
+    save_file({"x": torch.zeros(1)}, run / run_record.WEIGHTS_FILE, metadata={"run_id": "r1"})
+    read = run_record.read_run(run)
+    assert read == written and read.path == path and read.lora.settings == LoRASettings(4, 8.0, 0.0, ("q", "v"))
+    assert read.lora.modules() == [f"blocks.{b}.attention.{p}_proj" for b in (2, 3) for p in "qv"]
+    meta = json.loads(path.read_text())
+    assert meta["lora"] == {"rank": 4, "alpha": 8.0, "dropout": 0.0, "targets": ["q", "v"], "blocks": [2, 3]}
+    assert list(meta)[0] == "base_model" and list(meta)[-2:] == ["settings", "run_id"] and meta["dtype"] == "bfloat16"
+    for key, value, says in (
+        ("lora", {**meta["lora"], "blocks": "2,3"}, "unreadable lora entry (blocks is not a list of block numbers)"),
+        ("lora", {**meta["lora"], "targets": ["q_proj"]}, "unreadable lora entry (LoRA targets are among"),
+        ("lora", {**meta["lora"], "rank": 0}, "unreadable lora entry (the LoRA rank must be at least 1"),
+        ("num_classes", 3, "num_classes/label_names not as a finished run writes them"),
+        ("settings", [], "settings not as a finished run writes them"),
+    ):
+        path.write_text(json.dumps(meta | {key: value}))
+        with pytest.raises(weights.CheckpointError) as e:
+            run_record.read_run(run)
+        assert str(e.value).startswith(f"{path}: {says}"), e.value
+    path.unlink()
+    (run / run_record.RUN_MARKER).write_text("")
+    with pytest.raises(FileNotFoundError, match="holds an unfinished run: finish it with finetune_classifier --resume"):
+        run_record.read_run(run)
+
+
 def test_a_file_with_100k_labels_is_refused_before_training(tmp_path, capsys):
     """Before: loaded, then a 100k x 100k confusion matrix (~75 GiB) after the first epoch was paid for."""
     import time
