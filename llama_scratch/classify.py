@@ -21,7 +21,7 @@ from .checkpoints.atomic import write_text_atomic
 from .checkpoints.run_record import WEIGHTS_FILE, read_run
 from .checkpoints.weights import CheckpointError, copy_named_tensors
 from .data.batching import (
-    Split,
+    TokenizedSplit,
     forward,
     length_sorted_batches,
     to_batch,
@@ -99,7 +99,7 @@ def predict_proba(
     no limit here). Batched by length; `layout` "packed" (no padding at all, packing.py) or "right"/"left"."""
     device = clf.head.weight.device
     ids = [tokenizer.encode(t, bos=True)[: max_length or clf.backbone.cfg.max_seq_len] for t in texts]
-    split = Split(ids, [0] * len(ids), pad_id=tokenizer.pad_id)
+    split = TokenizedSplit(ids, [0] * len(ids), pad_id=tokenizer.pad_id)
     out = torch.zeros(len(ids), clf.head.out_features)
     for rows in length_sorted_batches([len(x) for x in ids], batch_size):
         logits = forward(clf, to_batch(split, rows, layout, device))

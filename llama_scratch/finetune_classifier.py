@@ -22,9 +22,9 @@ from safetensors.torch import load_file
 from .checkpoints.resume import ResumeError, read_point
 from .checkpoints.run_record import WEIGHTS_FILE, RunRecord, new_record
 from .checkpoints.weights import copy_named_tensors, save_weights
-from .data.batching import Split, default_max_length, encode_texts
+from .data.batching import TokenizedSplit, default_max_length, encode_texts
 from .data.labelled import DataWarning, LabelledTexts, load_dataset
-from .data.splits import default_protocol, split_dataset
+from .data.splitting import default_protocol, split_dataset
 from .finetune_args import parse_args, recorded_flags, resumed_flags
 from .model.classifier import LlamaClassifier
 from .model.config import LlamaConfig
@@ -33,7 +33,7 @@ from .model.lora import TARGETS, LoRASettings
 from .model.tokenizer import Tokenizer
 from .parallel import distributed, sharding
 from .parallel.distributed import Dist
-from .planning.memory import Recipe
+from .planning.memory import PlanInputs
 from .planning.report import (
     detect_gpu,
     plan_command,
@@ -79,7 +79,7 @@ from .training.run_dir import (
 )
 
 
-def recipe(
+def train_settings(
     args: argparse.Namespace, from_scratch: bool, train_labels: list[int], num_classes: int, env: Dist, log
 ) -> TrainSettings:
     """The training settings from the flags, with what depends on the data: weights that start from nothing
@@ -193,10 +193,10 @@ def lora_settings(args: argparse.Namespace, from_scratch: bool) -> LoRASettings 
     return LoRASettings(args.lora, args.lora_alpha, args.lora_dropout or 0.0, targets)
 
 
-def replica_recipe(job: Job) -> Recipe:
+def replica_plan_inputs(job: Job) -> PlanInputs:
     """The run as the memory plan sees it, before the texts' length is known (512 tokens, as --plan assumes)."""
     args, choice = job.args, job.choice
-    return Recipe(
+    return PlanInputs(
         cfg=config_of(choice.ref),
         batch_size=args.batch_size,
         seq_len=args.max_length or 512,
@@ -237,14 +237,14 @@ def build_classifier(job: Job, log) -> tuple[LlamaClassifier, Tokenizer, str]:
 
 def tokenize(
     parts: dict[str, LabelledTexts], tokenizer: Tokenizer, context: int, max_length: int | None, log
-) -> tuple[dict[str, Split], int]:
+) -> tuple[dict[str, TokenizedSplit], int]:
     """Token ids per split, cut to `max_length` (default: the longest training text, within the context)."""
     ids = {k: encode_texts(v.texts, tokenizer)[0] for k, v in parts.items()}
     max_length = max_length or default_max_length(ids["train"], context)
     truncated = sum(len(x) > max_length for rows in ids.values() for x in rows)
     log(f"max length {max_length} tokens; {truncated:,} texts truncated")
     return {
-        k: Split([x[:max_length] for x in ids[k]], parts[k].labels, pad_id=tokenizer.pad_id) for k in parts
+        k: TokenizedSplit([x[:max_length] for x in ids[k]], parts[k].labels, pad_id=tokenizer.pad_id) for k in parts
     }, max_length
 
 
@@ -259,8 +259,8 @@ class Progress:
 
 def prepare(args: argparse.Namespace, progress: Progress) -> tuple[Job, TrainSettings, Callable[..., None]]:
     """The phases before anything large is loaded: processes, flags (a resumed run's own), data, the model's
-    choice, the recipe and the output directory. A resume point of another run is refused here, not after minutes
-    of loading and caching."""
+    choice, the training settings and the output directory. A resume point of another run is refused here, not
+    after minutes of loading and caching."""
     if args.shard_group is not None and not args.shard:
         raise ValueError("--shard-group G needs --shard")
     env, device = distributed.setup(args.device)
@@ -282,13 +282,13 @@ def prepare(args: argparse.Namespace, progress: Progress) -> tuple[Job, TrainSet
     log(f"output: {out}/")
     check_output(out, args.resume, args.overwrite)  # before anything is loaded or written
     job = Job(args, env, device, started, data, parts, protocol, choice, out)
-    settings = recipe(args, choice.from_scratch, parts["train"].labels, data.num_classes, env, log)
+    settings = train_settings(args, choice.from_scratch, parts["train"].labels, data.num_classes, env, log)
     if args.resume:
         check_resume_point(job, settings)  # another run's point is refused before minutes of loading and caching
     start_output(out, args.resume, args.output is None, env, recorded_flags(args))
     progress.out = out
     if device.type == "cuda" and env.enabled and not job.sharded:  # before a replica that cannot fit is loaded
-        refuse_unfit_replica(replica_recipe(job), detect_gpu(), choice.ref)
+        refuse_unfit_replica(replica_plan_inputs(job), detect_gpu(), choice.ref)
     return job, settings, log
 
 
@@ -444,7 +444,7 @@ def save_classifier(
 
 
 def final_metrics(
-    job: Job, model, clf: LlamaClassifier, splits: dict[str, Split], settings: TrainSettings, state
+    job: Job, model, clf: LlamaClassifier, splits: dict[str, TokenizedSplit], settings: TrainSettings, state
 ) -> dict:
     """Every split evaluated with the best weights (by validation accuracy), and the run's figures."""
     best, env = job.out / BEST_FILE, job.env

@@ -18,7 +18,7 @@ from safetensors.torch import load_file, save_file
 from llama_scratch import Llama, LlamaClassifier, LlamaConfig, classify, finetune_classifier
 from llama_scratch.checkpoints import weights
 from llama_scratch.checkpoints.resume import ResumeError
-from llama_scratch.data.batching import Split
+from llama_scratch.data.batching import TokenizedSplit
 from llama_scratch.parallel.distributed import Dist
 from llama_scratch.sources import resolve as sources
 from llama_scratch.training import loop as train
@@ -150,7 +150,7 @@ def test_an_interrupt_during_the_last_evaluation_then_resume_records_that_epoch(
     """A resume point saved after the run's last step but before its epoch's end was recorded: --resume must still
     evaluate that epoch (before, the loop saw no steps left and skipped it: a history row and maybe the best lost)."""
     ids = [[1 + (i * 7 + j) % 100 for j in range(4 + i % 5)] for i in range(16)]
-    splits = {"train": Split(ids, [i % 2 for i in range(16)]), "val": Split(ids[:8], [0, 1] * 4)}
+    splits = {"train": TokenizedSplit(ids, [i % 2 for i in range(16)]), "val": TokenizedSplit(ids[:8], [0, 1] * 4)}
     settings = train.TrainSettings(epochs=2, batch_size=4, save_every=4, lr=1e-3)  # a save at the last step
 
     def run(out, resume=False):
@@ -179,7 +179,7 @@ def test_an_interrupt_during_the_last_evaluation_then_resume_records_that_epoch(
 def test_an_interrupt_while_the_best_weights_are_written_loses_nothing(tmp_path):
     """Ctrl-C arriving while on_best writes: the epoch's row, its best weights and the counters stay together."""
     ids = [[1 + (i * 7 + j) % 100 for j in range(4 + i % 5)] for i in range(16)]
-    splits = {"train": Split(ids, [i % 2 for i in range(16)]), "val": Split(ids[:8], [0, 1] * 4)}
+    splits = {"train": TokenizedSplit(ids, [i % 2 for i in range(16)]), "val": TokenizedSplit(ids[:8], [0, 1] * 4)}
     settings = train.TrainSettings(epochs=2, batch_size=4, save_every=100, lr=1e-3)
     saved = []
 
@@ -271,7 +271,7 @@ DIVERGE_SCRIPT = textwrap.dedent(
 
     from llama_scratch import Llama, LlamaClassifier, LlamaConfig
     from llama_scratch.parallel import distributed
-    from llama_scratch.data.batching import Split
+    from llama_scratch.data.batching import TokenizedSplit
     from llama_scratch.training.loop import TrainingDiverged, TrainSettings, train
 
     env, device = distributed.setup("cpu")
@@ -285,7 +285,7 @@ DIVERGE_SCRIPT = textwrap.dedent(
 
         F.cross_entropy = nan_loss
     ids = [[1 + (i * 7 + j) % 100 for j in range(5 + i % 4)] for i in range(64)]
-    split = Split(ids, [i % 2 for i in range(64)])
+    split = TokenizedSplit(ids, [i % 2 for i in range(64)])
     torch.manual_seed(0)
     clf = LlamaClassifier(Llama(LlamaConfig.from_name("tiny")), num_classes=2, train_last=1)
     model = distributed.wrap(clf, env, device)

@@ -3,7 +3,7 @@ files, and Hugging Face dataset repositories (`owner/name`, made local by `hub_d
 
 `load_dataset` reads rows into `LabelledTexts`; bad rows are skipped and reported (file, line, why), never fatal.
 The file formats themselves (encoding checks, CSV/TSV/TXT/JSONL parsing) are in `data_files`.
-What follows: `splits.split_dataset` cuts train/val/test, and `batching` turns texts into padded token batches.
+What follows: `splitting.split_dataset` cuts train/val/test, and `batching` turns texts into padded token batches.
 """
 
 from __future__ import annotations

@@ -11,7 +11,7 @@ from torch import nn
 from tqdm.auto import tqdm
 
 from ..data.batching import (
-    Split,
+    TokenizedSplit,
     forward,
     length_sorted_batches,
     to_batch,
@@ -27,7 +27,7 @@ class EvalSettings(Protocol):
     padding_side: str
 
 
-def evaluate(model: nn.Module, split: Split, s: EvalSettings, env: Dist, device, desc: str) -> dict:
+def evaluate(model: nn.Module, split: TokenizedSplit, s: EvalSettings, env: Dist, device, desc: str) -> dict:
     """See `_evaluate`. Sharded: under no_grad, not inference_mode, whose tensors FSDP2 could not free after."""
     if not sharding.is_sharded(model):
         with torch.inference_mode():
@@ -38,7 +38,7 @@ def evaluate(model: nn.Module, split: Split, s: EvalSettings, env: Dist, device,
     return result
 
 
-def _evaluate(model: nn.Module, split: Split, s: EvalSettings, env: Dist, device, desc: str) -> dict:
+def _evaluate(model: nn.Module, split: TokenizedSplit, s: EvalSettings, env: Dist, device, desc: str) -> dict:
     """Loss, accuracy and confusion matrix over a whole split, shared out across processes.
 
     Each process takes every N-th row (no padding rows, unlike `DistributedSampler`), so summing the counts

@@ -19,7 +19,7 @@ from torch.utils.data import DistributedSampler
 from tqdm.auto import tqdm
 
 from ..checkpoints import resume
-from ..data.batching import Split, forward, to_batch
+from ..data.batching import TokenizedSplit, forward, to_batch
 from ..parallel import distributed, sharding
 from ..parallel.distributed import Dist
 from .evaluation import evaluate
@@ -220,7 +220,7 @@ RESUME_DIR = "resume.sharded"  # under --shard: one part per process (sharding.w
 
 
 def train_step(
-    model: nn.Module, split: Split, step_rows: list[list[int]], s: TrainSettings, env: Dist, device
+    model: nn.Module, split: TokenizedSplit, step_rows: list[list[int]], s: TrainSettings, env: Dist, device
 ) -> tuple[torch.Tensor, int]:
     """Forward and backward over one optimizer step's micro-batches, gradients accumulating.
 
@@ -312,7 +312,7 @@ class Loop:
             save_resume_point(self.resume_path, *parts)
 
 
-def train_epoch(loop: Loop, split: Split, state: TrainState) -> bool:
+def train_epoch(loop: Loop, split: TokenizedSplit, state: TrainState) -> bool:
     """One epoch's optimizer steps from where `state` stands; True when it ran to its end (not the step limit)."""
     s, env = loop.s, loop.env
     batches = epoch_batches(len(split.ids), state.epoch, s, env)
@@ -367,7 +367,7 @@ def more_to_do(state: TrainState, s: TrainSettings, total: int) -> bool:
 
 def train(
     model: nn.Module,
-    splits: dict[str, Split],
+    splits: dict[str, TokenizedSplit],
     s: TrainSettings,
     env: Dist,
     device: torch.device,
