@@ -199,6 +199,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     p.add_argument("--label-column", metavar="NAME", help="the file's label column or key (implies --labels)")
     p.add_argument(
+        "--no-header",
+        dest="header",
+        action="store_const",
+        const=False,
+        default=None,
+        help="the table's first row is data, not column names (default: told from its contents, as in training)",
+    )
+    p.add_argument(
         "--output",
         type=Path,
         metavar="FILE.csv",
@@ -223,8 +231,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args.labels = args.labels or args.label_column is not None
     if not args.texts and not args.file:
         p.error("give texts to classify, or --file")
-    if (args.labels or args.text_column is not None) and not args.file:
-        p.error("--labels, --label-column and --text-column read a --file")
+    if (args.labels or args.text_column is not None or args.header is not None) and not args.file:
+        p.error("--labels, --label-column, --text-column and --no-header read a --file")
     if args.labels and args.texts:
         p.error("--labels: texts given on the command line have no label; put them in the --file")
     return args
@@ -237,9 +245,11 @@ def run(args: argparse.Namespace) -> None:
         raise DataError(f"--output {args.output} {why}")
     device = resolve_device(args.device)
     names = read_run(args.checkpoint).label_names
-    inputs = read_inputs(args.texts, args.file, args.text_column, args.label_column, args.labels, names)
+    inputs = read_inputs(args.texts, args.file, args.text_column, args.label_column, args.labels, names, args.header)
     if inputs.read_as:  # e.g. a TSV's csv-quoted fields were unquoted, as training reads them
         print(f"note: {args.file}: {inputs.read_as}", file=sys.stderr)
+    if inputs.columns:  # found from the cells, not by name: never a silent guess (training logs the same words)
+        print(f"note: {args.file}: {inputs.columns}", file=sys.stderr)
     if inputs.skipped:
         more = f" (and {len(inputs.skipped) - SHOWN_SKIPS:,} more)" if len(inputs.skipped) > SHOWN_SKIPS else ""
         shown = "; ".join(inputs.skipped[:SHOWN_SKIPS])
