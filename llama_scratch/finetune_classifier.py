@@ -6,7 +6,6 @@ Same command on one CPU, one GPU, or several GPUs under `torchrun --nproc_per_no
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import functools
 import os
 import sys
@@ -404,7 +403,7 @@ def classifier_meta(
         tokenizer=tokenizer_ref,
         max_length=max_length,
         dtype=choice.dtype,
-        settings=dataclasses.asdict(settings),
+        settings=settings,
     )
 
 

@@ -343,7 +343,7 @@ def test_the_run_record_reads_back_as_written_and_names_a_bad_key(tmp_path):
         tokenizer="llama3",
         max_length=48,
         dtype=torch.bfloat16,
-        settings={"lr": 1e-3},
+        settings=train.TrainSettings(lr=1e-3),
     )
     written = dataclasses.replace(record, run_id="r1")
     path = run_record.write_record(run, written)

@@ -128,7 +128,7 @@ def adapter_problems(
         return [f"{weights} holds LoRA adapters but classifier.json has no 'lora' settings"] if adapters else []
     if not adapters:
         return [f"classifier.json describes LoRA adapters but {weights} holds none"]
-    problems, described, rank = [], lora.modules(), lora.settings.rank
+    problems, described, inner = [], lora.modules(), lora.settings.rank  # inner: the adapters' shared width
     for name, parts in adapters.items():
         a, b = parts.get("a"), parts.get("b")
         m = _ADAPTER.fullmatch((a or b).name)
@@ -136,8 +136,8 @@ def adapter_problems(
             problems.append(f"{(a or b).name} has no lora_{'b' if b is None else 'a'} beside it")
         elif name not in expected or len(expected[name]) != 2:
             problems.append(f"{a.name} adapts {name}, which is not a projection of the model")
-        elif a.shape != (rank, expected[name][1]) or b.shape != (expected[name][0], rank):
-            want = f"[{rank}, {expected[name][1]}] and [{expected[name][0]}, {rank}]"
+        elif a.shape != (inner, expected[name][1]) or b.shape != (expected[name][0], inner):
+            want = f"[{inner}, {expected[name][1]}] and [{expected[name][0]}, {inner}]"
             problems.append(f"{m['module']}: lora_a {list(a.shape)} and lora_b {list(b.shape)}, expected {want}")
         elif m["module"] not in described:
             settings = f"blocks {list(lora.blocks)}, targets {','.join(lora.settings.targets)}"

@@ -18,6 +18,7 @@ recognises a run folder given as a model by either, and `run_dir` writes both.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 from dataclasses import dataclass, field
@@ -106,7 +107,8 @@ def _lora_settings(entry: object) -> LoRASettings:
     number = (int, float)
     if not (isinstance(entry["blocks"], list) and all(type(b) is int for b in entry["blocks"])):
         raise ValueError("blocks is not a list of block numbers")
-    if type(entry["rank"]) is not int:
+    given_rank = entry["rank"]  # a bool is an int to isinstance
+    if type(given_rank) is not int:
         raise ValueError("rank is not a whole number")
     if not all(isinstance(entry[k], number) and not isinstance(entry[k], bool) for k in ("alpha", "dropout")):
         raise ValueError("alpha and dropout are not both numbers")
@@ -203,9 +205,10 @@ def new_record(
     tokenizer: str,
     max_length: int,
     dtype: torch.dtype,
-    settings: dict,
+    settings: object,
 ) -> RunRecord:
-    """The record of a run writing its results into `out` (the run id is added when they are written)."""
+    """The record of a run writing its results into `out` (the run id is added when they are written). `settings`
+    is the dataclass the run trained with (TrainSettings), recorded field by field."""
     return RunRecord(
         **base_model_fields(model_ref, repo_id, out),
         weights_include_backbone=from_scratch,
@@ -217,7 +220,7 @@ def new_record(
         tokenizer=tokenizer,
         max_length=max_length,
         dtype=str(dtype).removeprefix("torch."),
-        settings=settings,
+        settings=dataclasses.asdict(settings),
     )
 
 
