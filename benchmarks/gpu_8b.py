@@ -47,7 +47,7 @@ from common import write_random_checkpoint  # noqa: E402
 
 from llama_scratch import Llama, LlamaClassifier, LlamaConfig  # noqa: E402
 from llama_scratch.checkpoints.weights import load_weights, save_checkpoint  # noqa: E402
-from llama_scratch.planning.memory import GiB, Recipe, count_parameters, plan_memory  # noqa: E402
+from llama_scratch.planning.memory import GiB, PlanInputs, count_parameters, plan_memory  # noqa: E402
 from llama_scratch.training.loop import TrainSettings, make_optimizer  # noqa: E402
 
 SHAPES = {
@@ -245,7 +245,7 @@ def run_recipe(
     train_last = None if train_last is None else min(train_last, cfg.n_layers)
     clf = LlamaClassifier(backbone, num_classes=2, train_last=train_last).train()
     backbone.gradient_checkpointing = ckpt
-    plan = plan_memory(Recipe(cfg, batch, seq, train_last, 2, cfg.dtype, opt_state, ckpt, device_type=device.type))
+    plan = plan_memory(PlanInputs(cfg, batch, seq, train_last, 2, cfg.dtype, opt_state, ckpt, device_type=device.type))
     run = Run(name, seq, batch, train_last, ckpt, plan.counts.trainable, steps, plan_bytes=plan.peak)
     gen = torch.Generator(device=device).manual_seed(0)
     ids = torch.randint(0, cfg.vocab_size, (batch, seq), device=device, generator=gen)

@@ -21,7 +21,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 from train_speed import BENCH_PRESETS, renumber  # noqa: E402
 
 from llama_scratch import Llama, LlamaClassifier, Tokenizer  # noqa: E402
-from llama_scratch.data.batching import Split, forward, length_sorted_batches, to_batch  # noqa: E402
+from llama_scratch.data.batching import TokenizedSplit, forward, length_sorted_batches, to_batch  # noqa: E402
 from llama_scratch.data.labelled import load_sms_spam  # noqa: E402
 from llama_scratch.training.prefix_cache import compute_frozen_states  # noqa: E402
 
@@ -38,7 +38,7 @@ def main() -> None:
     rows = [tok.encode(t, bos=True) for t in load_sms_spam().texts[: args.texts]]
     [rows], pad = renumber([rows], tok.pad_id, cfg.vocab_size)
     clf = LlamaClassifier(Llama(cfg), 2, train_last=1).eval()
-    split = Split(rows, [0] * len(rows), pad_id=pad)
+    split = TokenizedSplit(rows, [0] * len(rows), pad_id=pad)
 
     def prefix(layout: str) -> None:
         compute_frozen_states(clf, rows, pad, 16, show=False, packed=layout == "packed")

@@ -11,7 +11,7 @@ built and sharded by `sharding.shard_model`, `train.make_optimizer` with `TrainS
 weights and moments), a batch of `--batch-size` texts of `--max-length` tokens laid out by `batching.to_batch` as
 training lays it out (packed), the forward, the loss, backward and the optimizer step, twice. PyTorch's
 `FSDPMemTracker` (`MemTracker` with `--no-shard`) counts every tensor one process allocates and frees. That peak
-is printed beside the plan's (`llama_scratch.planning.memory`, what `--plan` prints) for the same recipe; `--json`
+is printed beside the plan's (`llama_scratch.planning.memory`, what `--plan` prints) for the same run; `--json`
 makes the last line one JSON object.
 
 What its peak is (torch/distributed/_tools/mem_tracker.py): after every operation the tracker sees, it sums the
@@ -60,14 +60,14 @@ from torch.testing._internal.distributed.fake_pg import FakeStore
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from a fresh clone without installing
 
-from llama_scratch.data.batching import Split, forward, to_batch  # noqa: E402
+from llama_scratch.data.batching import TokenizedSplit, forward, to_batch  # noqa: E402
 from llama_scratch.model.classifier import LlamaClassifier  # noqa: E402
 from llama_scratch.model.config import PRESETS, LlamaConfig  # noqa: E402
 from llama_scratch.model.llama import Llama  # noqa: E402
 from llama_scratch.model.lora import LoRASettings  # noqa: E402
 from llama_scratch.parallel import sharding  # noqa: E402
 from llama_scratch.planning.advice import smallest_world  # noqa: E402
-from llama_scratch.planning.memory import MemoryPlan, Recipe, plan_memory  # noqa: E402
+from llama_scratch.planning.memory import MemoryPlan, PlanInputs, plan_memory  # noqa: E402
 from llama_scratch.training.loop import TrainSettings, make_optimizer  # noqa: E402
 
 GiB = 2**30
@@ -91,9 +91,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
-def recipe_of(args: argparse.Namespace, device_type: str) -> Recipe:
+def plan_inputs_of(args: argparse.Namespace, device_type: str) -> PlanInputs:
     train_last = None if args.train_last == "all" else int(args.train_last)
-    return Recipe(cfg=LlamaConfig.from_name(args.model), batch_size=args.batch_size, seq_len=args.max_length,
+    return PlanInputs(cfg=LlamaConfig.from_name(args.model), batch_size=args.batch_size, seq_len=args.max_length,
                   train_last=train_last, dtype=torch.bfloat16, gradient_checkpointing=args.gradient_checkpointing,
                   world_size=args.world_size, device_type=device_type, shard=args.shard,
                   lora=LoRASettings(args.lora) if args.lora else None)  # fmt: skip
@@ -103,7 +103,7 @@ def batch_of(cfg: LlamaConfig, rows: int, length: int) -> dict:
     """`rows` texts of `length` tokens, laid out as training lays them out (to_batch, TrainSettings' side)."""
     g = torch.Generator().manual_seed(0)
     ids = torch.randint(0, cfg.vocab_size, (rows, length), generator=g).tolist()
-    split = Split(ids=ids, labels=[i % 2 for i in range(rows)])
+    split = TokenizedSplit(ids=ids, labels=[i % 2 for i in range(rows)])
     return to_batch(split, list(range(rows)), TrainSettings().padding_side, CPU)
 
 
@@ -113,7 +113,7 @@ def simulate(args: argparse.Namespace) -> dict:
     if not dist.is_initialized():
         dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=args.world_size)
     mesh = init_device_mesh("cpu", (args.world_size,)) if args.shard else None  # before the fake mode: it is real
-    r = recipe_of(args, "cpu")
+    r = plan_inputs_of(args, "cpu")
     started = time.perf_counter()
     fake = contextlib.nullcontext() if args.real else FakeTensorMode(allow_non_fake_inputs=True)
     with fake:
@@ -193,10 +193,10 @@ def plan_parts(plan: MemoryPlan) -> dict[str, float]:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     sim = simulate(args)
-    plan = plan_memory(recipe_of(args, "cpu"))
-    gpu_plan = plan_memory(recipe_of(args, "cuda"))
+    plan = plan_memory(plan_inputs_of(args, "cpu"))
+    gpu_plan = plan_memory(plan_inputs_of(args, "cuda"))
     gpu_bytes = int(args.gpu_memory * GiB)
-    fewest = smallest_world(gpu_plan.recipe, gpu_bytes)
+    fewest = smallest_world(gpu_plan.inputs, gpu_bytes)
     ratio = sim["simulated_peak"] / plan.peak
     what = (
         f"{args.model}, {args.world_size} processes, {'sharded (FSDP2)' if args.shard else 'DDP'}, "

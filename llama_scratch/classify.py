@@ -11,18 +11,17 @@ from __future__ import annotations
 import argparse
 import csv
 import io
-import json
 import sys
 from pathlib import Path
 
 import torch
-from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_file
 
 from .checkpoints.atomic import write_text_atomic
+from .checkpoints.run_record import WEIGHTS_FILE, read_run
 from .checkpoints.weights import CheckpointError, copy_named_tensors
 from .data.batching import (
-    Split,
+    TokenizedSplit,
     forward,
     length_sorted_batches,
     to_batch,
@@ -30,16 +29,14 @@ from .data.batching import (
 from .data.inputs import Inputs, read_inputs
 from .data.labelled import DataError
 from .model.classifier import LlamaClassifier
-from .model.config import PRESETS, LlamaConfig, parse_dtype
+from .model.config import parse_dtype
 from .model.counts import count_parameters
 from .model.llama import Llama
-from .model.lora import LoRASettings
 from .model.tokenizer import Tokenizer
 from .sources.devices import choose_dtype, resolve_device
 from .sources.fetch import DownloadError
 from .sources.resolve import load_model
 from .training.evaluation import per_class
-from .training.loop import RESUME_FILE
 
 SHOWN_SKIPS = 5  # skipped inputs named in the note; the rest are counted
 ECHO_CHARS = 72  # of each text, after its label: enough to tell texts apart, one line; --output holds the whole
@@ -48,18 +45,19 @@ ECHO_CHARS = 72  # of each text, after its label: enough to tell texts apart, on
 def load_classifier(
     run_dir: str | Path, device: str | torch.device = "auto", dtype: str = "auto", model: str | Path | None = None
 ) -> tuple[LlamaClassifier, Tokenizer, dict]:
-    """A fine-tuned classifier from a `finetune_classifier` output directory, its tokenizer and its settings.
-    `model` points at the base checkpoint when it is no longer where the run recorded it."""
+    """A fine-tuned classifier from a `finetune_classifier` output directory, its tokenizer and its settings (the
+    run record, classifier.json, as a dict). `model` points at the base checkpoint when it is no longer where the
+    run recorded it."""
     run_dir, device = Path(run_dir), resolve_device(str(device))
-    meta = run_description(run_dir)
-    weights_path = run_dir / "classifier.safetensors"
-    cfg = LlamaConfig.from_hf_dict(meta["config"], source=str(run_dir / "classifier.json"))
-    trained_in = parse_dtype(meta["dtype"])  # a float32 copy that would not fit keeps the training dtype
+    record = read_run(run_dir)
+    weights_path = run_dir / WEIGHTS_FILE
+    cfg = record.model_config()
+    trained_in = parse_dtype(record.dtype)  # a float32 copy that would not fit keeps the training dtype
     torch_dtype = choose_dtype(dtype, device, trained_in, count_parameters(cfg).backbone)
     if dtype == "auto" and torch_dtype != torch.float32:  # the device computes low precision well: use what
         torch_dtype = trained_in  # training used, so predictions match the evaluation it reported
     base = None
-    if meta["weights_include_backbone"]:  # trained from scratch: the file holds every weight
+    if record.weights_include_backbone:  # trained from scratch: the file holds every weight
         cfg.dtype = torch_dtype
         with torch.device("meta"):
             backbone = Llama(cfg)
@@ -67,138 +65,24 @@ def load_classifier(
         if cfg.tie_embeddings:  # to_empty gives each name its own tensor: tie them again
             backbone.lm_head.weight = backbone.embed_tokens.weight
     else:
-        base = find_base_model(meta, run_dir, model)
+        base = record.find_base(model)
         backbone = load_model(base, device=device, dtype=torch_dtype)
-    clf = LlamaClassifier(backbone, meta["num_classes"], meta["train_last"], lora_from_record(meta, run_dir)).eval()
-    if meta.get("lora") and meta["lora"]["blocks"] != clf.lora_blocks:
+    lora = record.lora.settings if record.lora else None
+    clf = LlamaClassifier(backbone, record.num_classes, record.train_last, lora).eval()
+    if record.lora and list(record.lora.blocks) != clf.lora_blocks:
         raise CheckpointError(
-            f"{run_dir / 'classifier.json'}: LoRA blocks {meta['lora']['blocks']} are not the "
-            f"last train_last={meta['train_last']} blocks {clf.lora_blocks}"
+            f"{record.path}: LoRA blocks {list(record.lora.blocks)} are not the "
+            f"last train_last={record.train_last} blocks {clf.lora_blocks}"
         )
     tensors = load_file(weights_path, device=str(device))
     # Every parameter of a from-scratch model, else every one the run trained: none may keep a fresh initialisation.
-    needed = clf.named_parameters() if meta["weights_include_backbone"] else clf.trainable_parameters().items()
+    needed = clf.named_parameters() if record.weights_include_backbone else clf.trainable_parameters().items()
     copy_named_tensors(clf, tensors, str(weights_path), required=[name for name, _ in needed])
-    if meta["tokenizer"] == "llama3":
+    if record.tokenizer == "llama3":
         tokenizer = Tokenizer.default()
     else:  # the base checkpoint's own: where it is now, if it moved
-        tokenizer = Tokenizer.for_checkpoint(base if base and Path(base).is_dir() else meta["tokenizer"])
-    return clf, tokenizer, meta
-
-
-def lora_from_record(meta: dict, run_dir: Path) -> LoRASettings | None:
-    """The LoRA settings classifier.json records (None: the run trained whole blocks, or predates LoRA)."""
-    record = meta.get("lora")
-    if record is None:
-        return None
-    try:
-        if not isinstance(record["blocks"], list):
-            raise TypeError("blocks is not a list")
-        return LoRASettings(record["rank"], record["alpha"], record["dropout"], record["targets"])
-    except (KeyError, TypeError, ValueError) as e:
-        raise CheckpointError(f"{run_dir / 'classifier.json'}: unreadable lora entry ({e})") from None
-
-
-def run_description(run_dir: Path) -> dict:
-    """A finished run's classifier.json, checked against its weights file; cheap, so bad input fails before the
-    model loads (the label names are needed to read a labelled file)."""
-    meta_path, weights_path = run_dir / "classifier.json", run_dir / "classifier.safetensors"
-    if not run_dir.is_dir():  # a misspelt `runs/lastest` is not there at all: say that, not which file is missing
-        raise FileNotFoundError(
-            f"--checkpoint {run_dir}: {'not a directory' if run_dir.exists() else 'no such directory'}"
-        )
-    if (run_dir / "config.json").is_file() and not meta_path.is_file():
-        raise FileNotFoundError(
-            f"--checkpoint {run_dir} is a model checkpoint, not a fine-tuning run's folder: --checkpoint takes "
-            "the --output of finetune_classifier (runs/latest: the newest run)"
-        )
-    if (run_dir / RESUME_FILE).is_file() and not meta_path.is_file():
-        raise FileNotFoundError(f"{run_dir} holds an unfinished run: finish it with finetune_classifier --resume")
-    for path in (meta_path, weights_path):
-        if not path.is_file():
-            raise FileNotFoundError(f"{path} not found: is {run_dir} the --output of a finished fine-tuning run?")
-    return read_run_files(meta_path, weights_path)
-
-
-def find_base_model(meta: dict, run_dir: Path, override: str | Path | None) -> str:
-    """The base checkpoint: `--model` if given; else as recorded, relative to the run (a run moved together with
-    its weights), then absolute, then the Hub repo it came from; a clear error naming --model otherwise."""
-    if override is not None:
-        if not Path(override).exists():
-            raise FileNotFoundError(f"--model {override}: no such file or directory")
-        return str(override)
-    candidates = []
-    if rel := meta.get("base_model_relative"):
-        candidates.append(run_dir / rel)
-    candidates.append(Path(meta["base_model"]))
-    for path in candidates:
-        if path.exists():
-            return str(path)
-    if meta["base_model"] in PRESETS or meta.get("base_model_repo"):
-        return meta.get("base_model_repo") or meta["base_model"]
-    raise FileNotFoundError(
-        f"the base model of {run_dir} is no longer at {meta['base_model']} (moved or deleted?); pass --model PATH "
-        "to point at its checkpoint directory"
-    )
-
-
-RUN_KEYS = (
-    "base_model",
-    "weights_include_backbone",
-    "config",
-    "num_classes",
-    "label_names",
-    "train_last",
-    "tokenizer",
-    "max_length",
-    "dtype",
-)
-
-
-def wrong_types(meta: dict) -> list[str]:
-    """The entries of classifier.json that do not have the type a run writes (a hand-edited or foreign file)."""
-    kinds = {
-        "base_model": str,
-        "weights_include_backbone": bool,
-        "config": dict,
-        "num_classes": int,
-        "label_names": list,
-        "tokenizer": str,
-        "max_length": int,
-        "dtype": str,
-    }
-    wrong = [k for k, kind in kinds.items() if not isinstance(meta[k], kind) or (kind is int and meta[k] is True)]
-    if not ("num_classes" in wrong or "label_names" in wrong):
-        if meta["num_classes"] < 2 or len(meta["label_names"]) != meta["num_classes"]:
-            wrong.append("num_classes/label_names")
-        elif not all(isinstance(n, str) for n in meta["label_names"]):
-            wrong.append("label_names")
-    if not (meta["train_last"] is None or type(meta["train_last"]) is int):
-        wrong.append("train_last")
-    if not isinstance(meta.get("base_model_relative", ""), str) or not isinstance(meta.get("lora") or {}, dict):
-        wrong.append("base_model_relative/lora")
-    return wrong
-
-
-def read_run_files(meta_path: Path, weights_path: Path) -> dict:
-    """classifier.json, checked to hold what loading needs and to come from the same run as the weights file."""
-    try:
-        meta = json.loads(meta_path.read_text(encoding="utf-8"))
-        with safe_open(weights_path, framework="pt") as f:
-            weights_run = (f.metadata() or {}).get("run_id")
-    except (UnicodeDecodeError, json.JSONDecodeError, SafetensorError) as e:
-        raise CheckpointError(f"{meta_path.parent}: unreadable run files: {e}") from None
-    missing = [k for k in RUN_KEYS if k not in meta] if isinstance(meta, dict) else list(RUN_KEYS)
-    if missing:
-        raise CheckpointError(f"{meta_path} is not a classifier description (it lacks {', '.join(missing)})")
-    if wrong := wrong_types(meta):
-        raise CheckpointError(f"{meta_path}: {', '.join(wrong)} not as a finished run writes them")
-    if meta.get("run_id") != weights_run:  # runs from before run ids have neither
-        raise CheckpointError(
-            f"{meta_path.parent}: classifier.json and classifier.safetensors come from different runs (run ids "
-            f"{meta.get('run_id')} and {weights_run}); train again into a new --output"
-        )
-    return meta
+        tokenizer = Tokenizer.for_checkpoint(base if base and Path(base).is_dir() else record.tokenizer)
+    return clf, tokenizer, record.to_json()
 
 
 @torch.inference_mode()
@@ -215,7 +99,7 @@ def predict_proba(
     no limit here). Batched by length; `layout` "packed" (no padding at all, packing.py) or "right"/"left"."""
     device = clf.head.weight.device
     ids = [tokenizer.encode(t, bos=True)[: max_length or clf.backbone.cfg.max_seq_len] for t in texts]
-    split = Split(ids, [0] * len(ids), pad_id=tokenizer.pad_id)
+    split = TokenizedSplit(ids, [0] * len(ids), pad_id=tokenizer.pad_id)
     out = torch.zeros(len(ids), clf.head.out_features)
     for rows in length_sorted_batches([len(x) for x in ids], batch_size):
         logits = forward(clf, to_batch(split, rows, layout, device))
@@ -315,6 +199,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     p.add_argument("--label-column", metavar="NAME", help="the file's label column or key (implies --labels)")
     p.add_argument(
+        "--no-header",
+        dest="header",
+        action="store_const",
+        const=False,
+        default=None,
+        help="the table's first row is data, not column names (default: told from its contents, as in training)",
+    )
+    p.add_argument(
         "--output",
         type=Path,
         metavar="FILE.csv",
@@ -339,8 +231,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args.labels = args.labels or args.label_column is not None
     if not args.texts and not args.file:
         p.error("give texts to classify, or --file")
-    if (args.labels or args.text_column is not None) and not args.file:
-        p.error("--labels, --label-column and --text-column read a --file")
+    if (args.labels or args.text_column is not None or args.header is not None) and not args.file:
+        p.error("--labels, --label-column, --text-column and --no-header read a --file")
     if args.labels and args.texts:
         p.error("--labels: texts given on the command line have no label; put them in the --file")
     return args
@@ -352,10 +244,12 @@ def run(args: argparse.Namespace) -> None:
         why = "is a directory" if args.output.is_dir() else "exists; pass --overwrite to replace it"
         raise DataError(f"--output {args.output} {why}")
     device = resolve_device(args.device)
-    names = run_description(args.checkpoint)["label_names"]
-    inputs = read_inputs(args.texts, args.file, args.text_column, args.label_column, args.labels, names)
+    names = read_run(args.checkpoint).label_names
+    inputs = read_inputs(args.texts, args.file, args.text_column, args.label_column, args.labels, names, args.header)
     if inputs.read_as:  # e.g. a TSV's csv-quoted fields were unquoted, as training reads them
         print(f"note: {args.file}: {inputs.read_as}", file=sys.stderr)
+    if inputs.columns:  # found from the cells, not by name: never a silent guess (training logs the same words)
+        print(f"note: {args.file}: {inputs.columns}", file=sys.stderr)
     if inputs.skipped:
         more = f" (and {len(inputs.skipped) - SHOWN_SKIPS:,} more)" if len(inputs.skipped) > SHOWN_SKIPS else ""
         shown = "; ".join(inputs.skipped[:SHOWN_SKIPS])

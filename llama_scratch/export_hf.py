@@ -23,9 +23,9 @@ import torch
 
 from .checkpoints.atomic import replace_directory, write_text_atomic
 from .checkpoints.export_tokenizer import tokenizer_file, tokenizer_files
-from .checkpoints.export_weights import Lora, plan_export, write_weights
+from .checkpoints.export_weights import plan_export, write_weights
 from .checkpoints.model_card import model_card
-from .classify import find_base_model, run_description
+from .checkpoints.run_record import WEIGHTS_FILE, read_run
 from .model.config import LlamaConfig, parse_dtype
 from .model.tokenizer import Tokenizer
 from .sources.fetch import DownloadError
@@ -69,10 +69,10 @@ def check_output(out: Path, overwrite: bool) -> None:
         raise ExportError(f"--output {out} holds an earlier export: pass --overwrite to replace it")
 
 
-def hf_config(cfg: LlamaConfig, meta: dict, tokenizer: Tokenizer, dtype: torch.dtype) -> dict:
+def hf_config(cfg: LlamaConfig, label_names: list[str], tokenizer: Tokenizer, dtype: torch.dtype) -> dict:
     """config.json: our LlamaConfig's fields, the sequence-classification architecture, the labels and the padding
     token, whose id transformers uses to find each row's last real token."""
-    names = [str(n) for n in meta["label_names"]]
+    names = [str(n) for n in label_names]
     dtype_name = str(dtype).removeprefix("torch.")
     config = cfg.to_hf_dict() | {
         "architectures": ["LlamaForSequenceClassification"],
@@ -108,31 +108,29 @@ def export(
 ) -> Path:
     """Write the export of the finished run `run` into `out` (built beside it, then swapped in)."""
     check_output(out, overwrite)
-    meta = run_description(run)
-    source = str(run / "classifier.json")
-    cfg = LlamaConfig.from_hf_dict(meta["config"], source=source)
-    torch_dtype = parse_dtype(dtype or meta["dtype"])
+    record = read_run(run)
+    cfg = record.model_config()
+    torch_dtype = parse_dtype(dtype or record.dtype)
     if torch_dtype not in (torch.float32, torch.bfloat16):  # only a run trained in float16 gets here
-        raise ExportError(f"the run trained in {meta['dtype']}; pass --dtype bfloat16 or --dtype float32")
-    base = None if meta["weights_include_backbone"] else local_checkpoint(find_base_model(meta, run, model), log)
+        raise ExportError(f"the run trained in {record.dtype}; pass --dtype bfloat16 or --dtype float32")
+    base = None if record.weights_include_backbone else local_checkpoint(record.find_base(model), log)
     if base is not None and not Path(base).is_dir():
         raise ExportError(f"the base model {base} is not a checkpoint directory; pass --model PATH")
-    lora = Lora.from_meta(meta.get("lora"), source)
-    planned = plan_export(cfg, meta["num_classes"], run / "classifier.safetensors", base and Path(base), lora)
-    vocab = tokenizer_file(meta, base)
+    planned = plan_export(cfg, record.num_classes, run / WEIGHTS_FILE, base and Path(base), record.lora)
+    vocab = tokenizer_file(record.tokenizer, base)
     tokenizer = Tokenizer.for_checkpoint(vocab)
     texts = tokenizer_files(vocab, tokenizer, cfg.max_seq_len)
-    texts["config.json"] = json.dumps(hf_config(cfg, meta, tokenizer, torch_dtype), indent=2) + "\n"
-    texts["README.md"] = model_card(meta, read_metrics(run), torch_dtype, command or f"export of {run}")
+    texts["config.json"] = json.dumps(hf_config(cfg, record.label_names, tokenizer, torch_dtype), indent=2) + "\n"
+    texts["README.md"] = model_card(record, read_metrics(run), torch_dtype, command or f"export of {run}")
 
     def build(tmp: Path) -> None:
-        written = write_weights(tmp, planned, torch_dtype, lora, max_shard_bytes, log)
+        written = write_weights(tmp, planned, torch_dtype, record.lora, max_shard_bytes, log)
         for name, text in texts.items():
             write_text_atomic(tmp / name, text)
         marker = {
             "tool": "llama_scratch.export_hf",
             "run": str(run.resolve()),
-            "run_id": meta.get("run_id"),
+            "run_id": record.run_id,
             "files": sorted([*written, *texts]),
         }
         write_text_atomic(tmp / MARKER, json.dumps(marker, indent=2) + "\n")

@@ -7,7 +7,6 @@ Same command on one CPU, one GPU, or several GPUs under `torchrun --nproc_per_no
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import functools
 import os
 import sys
@@ -19,9 +18,10 @@ from pathlib import Path
 import torch
 
 from .checkpoints.resume import read_point
-from .data.batching import Split, default_max_length, encode_texts
+from .checkpoints.run_record import WEIGHTS_FILE, RunRecord, new_record
+from .data.batching import TokenizedSplit, default_max_length, encode_texts
 from .data.labelled import DataWarning, LabelledTexts, load_dataset
-from .data.splits import default_protocol, split_dataset
+from .data.splitting import default_protocol, split_dataset
 from .finetune_args import parse_args, recorded_flags, resumed_flags
 from .model.classifier import LlamaClassifier
 from .model.config import LlamaConfig
@@ -29,7 +29,7 @@ from .model.counts import count_parameters
 from .model.lora import TARGETS, LoRASettings
 from .model.tokenizer import Tokenizer
 from .parallel.strategy import Processes, Strategy, choose_strategy, teardown
-from .planning.memory import Recipe
+from .planning.memory import PlanInputs
 from .planning.report import (
     detect_gpu,
     plan_command,
@@ -63,8 +63,6 @@ from .training.loop import (
 from .training.prefix_cache import cache_splits, use_cache
 from .training.run_dir import (
     BEST_FILE,
-    RESULT_WEIGHTS,
-    base_model_record,
     check_output,
     default_output,
     interrupted,
@@ -76,7 +74,7 @@ from .training.run_dir import (
 )
 
 
-def recipe(
+def train_settings(
     args: argparse.Namespace, from_scratch: bool, train_labels: list[int], num_classes: int, processes: Processes, log
 ) -> TrainSettings:
     """The training settings from the flags, with what depends on the data: weights that start from nothing
@@ -190,10 +188,10 @@ def lora_settings(args: argparse.Namespace, from_scratch: bool) -> LoRASettings 
     return LoRASettings(args.lora, args.lora_alpha, args.lora_dropout or 0.0, targets)
 
 
-def replica_recipe(job: Job) -> Recipe:
+def replica_plan_inputs(job: Job) -> PlanInputs:
     """The run as the memory plan sees it, before the texts' length is known (512 tokens, as --plan assumes)."""
     args, choice = job.args, job.choice
-    return Recipe(
+    return PlanInputs(
         cfg=config_of(choice.ref),
         batch_size=args.batch_size,
         seq_len=args.max_length or 512,
@@ -227,14 +225,14 @@ def build_classifier(job: Job, log) -> tuple[LlamaClassifier, Tokenizer, str]:
 
 def tokenize(
     parts: dict[str, LabelledTexts], tokenizer: Tokenizer, context: int, max_length: int | None, log
-) -> tuple[dict[str, Split], int]:
+) -> tuple[dict[str, TokenizedSplit], int]:
     """Token ids per split, cut to `max_length` (default: the longest training text, within the context)."""
     ids = {k: encode_texts(v.texts, tokenizer)[0] for k, v in parts.items()}
     max_length = max_length or default_max_length(ids["train"], context)
     truncated = sum(len(x) > max_length for rows in ids.values() for x in rows)
     log(f"max length {max_length} tokens; {truncated:,} texts truncated")
     return {
-        k: Split([x[:max_length] for x in ids[k]], parts[k].labels, pad_id=tokenizer.pad_id) for k in parts
+        k: TokenizedSplit([x[:max_length] for x in ids[k]], parts[k].labels, pad_id=tokenizer.pad_id) for k in parts
     }, max_length
 
 
@@ -249,8 +247,8 @@ class Progress:
 
 def prepare(args: argparse.Namespace, progress: Progress) -> tuple[Job, TrainSettings, Callable[..., None]]:
     """The phases before anything large is loaded: processes, flags (a resumed run's own), data, the model's
-    choice, the recipe and the output directory. A resume point of another run is refused here, not after minutes
-    of loading and caching."""
+    choice, the training settings and the output directory. A resume point of another run is refused here, not
+    after minutes of loading and caching."""
     if args.shard_group is not None and not args.shard:
         raise ValueError("--shard-group G needs --shard")
     strategy = choose_strategy(args.device, args.shard, args.shard_group)
@@ -271,13 +269,15 @@ def prepare(args: argparse.Namespace, progress: Progress) -> tuple[Job, TrainSet
     log(f"output: {out}/")
     check_output(out, args.resume, args.overwrite)  # before anything is loaded or written
     job = Job(args, strategy, started, data, parts, protocol, choice, out)
-    settings = recipe(args, choice.from_scratch, parts["train"].labels, data.num_classes, strategy.processes, log)
+    settings = train_settings(
+        args, choice.from_scratch, parts["train"].labels, data.num_classes, strategy.processes, log
+    )
     if args.resume:
         check_resume_point(job, settings)  # another run's point is refused before minutes of loading and caching
     start_output(out, args.resume, args.output is None, strategy, recorded_flags(args))
     progress.out = out
     if strategy.refuses_unfit_replica:  # DDP on GPUs: before a replica that cannot fit is loaded
-        refuse_unfit_replica(replica_recipe(job), detect_gpu(), choice.ref)
+        refuse_unfit_replica(replica_plan_inputs(job), detect_gpu(), choice.ref)
     return job, settings, log
 
 
@@ -325,7 +325,7 @@ def run(args: argparse.Namespace, progress: Progress | None = None) -> dict:
     metrics = final_metrics(job, model, clf, splits, settings, state)
     run_id = strategy.on_main(new_run_id)
     progress.phase = "writing the results"
-    save(out / RESULT_WEIGHTS, {"run_id": run_id})  # every process: a sharded model is gathered tensor by tensor
+    save(out / WEIGHTS_FILE, {"run_id": run_id})  # every process: a sharded model is gathered tensor by tensor
     meta = functools.partial(classifier_meta, job, clf, tokenizer_ref, max_length, settings)
     strategy.on_main(lambda: write_results(out, run_id, metrics, meta(), state.history))  # rank 0 writes
     warn_if_one_class(metrics["val_accuracy"], parts["val"].labels, log)
@@ -371,22 +371,24 @@ def check_resume_point(job: Job, settings: TrainSettings) -> None:
 
 def classifier_meta(
     job: Job, clf: LlamaClassifier, tokenizer_ref: str, max_length: int, settings: TrainSettings
-) -> dict:
-    """classifier.json: what `classify` needs to rebuild the classifier, and how it was trained."""
+) -> RunRecord:
+    """The run record (classifier.json): what `classify` needs to rebuild the classifier, and how it was trained."""
     choice = job.choice
-    return {
-        **base_model_record(choice.ref, choice.repo_id, job.out),
-        "weights_include_backbone": choice.from_scratch,
-        "config": clf.backbone.cfg.to_hf_dict(),
-        "num_classes": job.data.num_classes,
-        "label_names": job.data.label_names,
-        "train_last": choice.train_last,
-        "lora": choice.lora.record(clf.lora_blocks) if choice.lora else None,
-        "tokenizer": tokenizer_ref,
-        "max_length": max_length,
-        "dtype": str(choice.dtype).removeprefix("torch."),
-        "settings": dataclasses.asdict(settings),
-    }
+    return new_record(
+        model_ref=choice.ref,
+        repo_id=choice.repo_id,
+        out=job.out,
+        from_scratch=choice.from_scratch,
+        config=clf.backbone.cfg,
+        label_names=job.data.label_names,
+        train_last=choice.train_last,
+        lora=choice.lora,
+        lora_blocks=clf.lora_blocks,
+        tokenizer=tokenizer_ref,
+        max_length=max_length,
+        dtype=choice.dtype,
+        settings=settings,
+    )
 
 
 def run_identity(job: Job, max_length: int) -> dict:
@@ -422,7 +424,7 @@ def save_classifier(
 
 
 def final_metrics(
-    job: Job, model, clf: LlamaClassifier, splits: dict[str, Split], settings: TrainSettings, state
+    job: Job, model, clf: LlamaClassifier, splits: dict[str, TokenizedSplit], settings: TrainSettings, state
 ) -> dict:
     """Every split evaluated with the best weights (by validation accuracy), and the run's figures."""
     best, strategy = job.out / BEST_FILE, job.strategy

@@ -184,10 +184,18 @@ def test_columns_and_labels_are_found_as_in_training():
     assert known_label(" 01 ", names) == "1" and known_label("+0", names) == "0" and known_label("2", names) is None
     assert known_label("spam", ["ham", "spam"]) == "spam" and known_label("Spam", ["ham", "spam"]) is None
     no_header = [(1, ["great film", "1"]), (2, ["dull", "0"])]
-    assert choose_columns(no_header, "f", None, None, True, names)[1:] == (2, 0, 1)  # label: only label names
+    found = choose_columns(no_header, "f", None, None, True, names)  # label: the column of only label names
+    assert (found.body, found.width, found.text, found.label) == (no_header, 2, 0, 1)
     header = [(1, ["id", " Review ", "stars"]), (2, ["7", "fine", "1"])]
-    assert choose_columns(header, "f", None, "stars", True, names) == (header[1:], 3, 1, 2)
-    assert choose_columns(header, "f", None, None, False, names)[2:] == (1, None)
+    found = choose_columns(header, "f", None, "stars", True, names)
+    assert (found.body, found.width, found.text, found.label) == (header[1:], 3, 1, 2) and not found.guessed
+    found = choose_columns(header, "f", None, None, False, names)
+    assert (found.text, found.label) == (1, None)
+    texts = [(1, ["ok thanks"]), (2, ["see you at the station at eight"]), (3, ["running late, sorry"])]
+    assert choose_columns(texts, "f", None, None, False, names).body == texts  # one column: a header only by name
+    one_spam = [(1, ["WIN CASH NOW", "spam"]), *((n, [f"see you at the station at {n}", "ham"]) for n in range(2, 9))]
+    found = choose_columns(one_spam, "f", None, None, True, ["ham", "spam"])
+    assert found.body == one_spam and not found.where.header  # a label name atop label names is a value, not a name
 
 
 def sms_rows(small_csv) -> list[tuple[str, str]]:
@@ -216,6 +224,32 @@ def test_training_and_classify_read_a_csv_quoted_tsv_as_written(run, small_csv, 
     _, err = classify_ok(capsys, run, "--file", path, "--labels", "--output", scored_csv)
     assert f"note: {path}: {quoted} quoted fields read as csv quoting" in err
     assert [(r["text"], r["label"]) for r in read_rows(scored_csv)] == rows
+
+
+def test_a_csv_of_unusual_column_names_is_read_alike_by_training_and_classify(run, small_csv, tmp_path, capsys):
+    """`ref`, `sms_body` and `verdict`: no name either command knows, so both find the header row and the columns
+    by their cells (the ids set aside, the longest values the text, few distinct values the label), say so in the
+    same words, and read the same texts and labels. --no-header is classify's way out, as training's."""
+    rows = sms_rows(small_csv)
+    path = tmp_path / "unusual.csv"
+    with path.open("w", newline="") as f:
+        csv.writer(f).writerows(
+            [("ref", "sms_body", "verdict"), *((f"r{1000 + i}", t, y) for i, (t, y) in enumerate(rows))]
+        )
+    read = "text 'sms_body', label 'verdict' (header row)"
+    capsys.readouterr()
+    assert finetune_classifier.main(args_for(path, tmp_path / "unusual_run", "--max-steps", "1")) == 0
+    assert f"{path}: 96 rows; ham 48, spam 48; 0 bad rows skipped; {read}" in capsys.readouterr().out
+    assert load_dataset(path).texts == [text for text, _ in rows]
+    scored = tmp_path / "scored.csv"
+    _, err = classify_ok(capsys, run, "--file", path, "--labels", "--output", scored)
+    assert f"note: {path}: {read}\n" in err
+    assert [(r["text"], r["label"]) for r in read_rows(scored)] == rows
+    _, err = classify_ok(capsys, run, "--file", path, "--output", scored, "--overwrite")  # the text column alone
+    assert f"note: {path}: text 'sms_body' (header row)\n" in err
+    assert [r["text"] for r in read_rows(scored)] == [text for text, _ in rows]
+    err = classify_fails(capsys, run, "--file", path, "--labels", "--no-header")  # the header row read as data
+    assert f"{path} line 1: label 'verdict' is not one of this classifier's labels" in err
 
 
 def test_classify_keeps_stray_quotes_of_a_tsv_and_says_so(run, tmp_path, capsys):

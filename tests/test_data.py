@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from llama_scratch.data.labelled import MAX_CLASSES, DataError, DataWarning, LabelledTexts, load_dataset, load_sms_spam
-from llama_scratch.data.splits import shared_texts, split_dataset
+from llama_scratch.data.splitting import shared_texts, split_dataset
 
 
 def as_csv(rows, **dialect):

@@ -26,13 +26,13 @@ GRADIENTS_SCRIPT = textwrap.dedent(
     import torch
 
     from llama_scratch import Llama, LlamaClassifier, LlamaConfig
-    from llama_scratch.data.batching import Split
+    from llama_scratch.data.batching import TokenizedSplit
     from llama_scratch.parallel.strategy import choose_strategy, teardown
     from llama_scratch.training.loop import TrainSettings, train
 
     strategy = choose_strategy("cpu")
     ids = [[1 + (i * 7 + j) % 100 for j in range(5 + i % 4)] for i in range(32)]
-    split = Split(ids, [i % 2 for i in range(32)])
+    split = TokenizedSplit(ids, [i % 2 for i in range(32)])
     # torch's AdamW on float32 weights; ours (float32 master weights) on bfloat16 ones
     for state, dtype in (("param", torch.float32), ("float32", torch.bfloat16)):
         torch.manual_seed(0)

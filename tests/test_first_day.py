@@ -146,11 +146,11 @@ def test_small_data_gets_more_epochs_and_a_useless_model_is_called_out():
 
     args = finetune_classifier.parse_args(["--data", "x.csv"])
     lines = []
-    settings = finetune_classifier.recipe(args, False, [0, 1] * 21, 2, Processes(), lines.append)
+    settings = finetune_classifier.train_settings(args, False, [0, 1] * 21, 2, Processes(), lines.append)
     assert settings.epochs == 20 and "20 epochs instead of 5" in lines[0]  # 42 rows: 5 steps an epoch -> 100 steps
-    big = finetune_classifier.recipe(args, False, [0, 1] * 520, 2, Processes(), lines.append)
+    big = finetune_classifier.train_settings(args, False, [0, 1] * 520, 2, Processes(), lines.append)
     assert big.epochs == 5 and len(lines) == 1  # the default job is left as it was
-    fixed = finetune_classifier.recipe(finetune_classifier.parse_args(["--epochs", "3"]), False, [0, 1] * 21, 2,
+    fixed = finetune_classifier.train_settings(finetune_classifier.parse_args(["--epochs", "3"]), False, [0, 1] * 21, 2,
                                        Processes(), lines.append)  # fmt: skip
     assert fixed.epochs == 3
     finetune_classifier.warn_if_one_class(0.5, [0, 0, 1, 1], lines.append)
@@ -210,14 +210,14 @@ def test_each_process_takes_a_gpu_it_can_see():
 
 def test_patience_stops_early_and_class_weights_weigh_the_rare_class(tmp_path):
     from llama_scratch import LlamaClassifier
-    from llama_scratch.data.batching import Split
+    from llama_scratch.data.batching import TokenizedSplit
     from llama_scratch.parallel.strategy import Processes, Replicated
     from llama_scratch.training import loop as train
 
     assert train.balanced_weights([0, 0, 0, 1], 2) == [4 / 6, 2.0]
     ids = [[1 + (i * 7 + j) % 100 for j in range(4 + i % 5)] for i in range(24)]
     labels = [int(i % 4 == 0) for i in range(24)]  # one row in four is the rare class
-    splits = {"train": Split(ids, labels), "val": Split(ids[:8], labels[:8])}
+    splits = {"train": TokenizedSplit(ids, labels), "val": TokenizedSplit(ids[:8], labels[:8])}
 
     def run(**settings):
         torch.manual_seed(0)
@@ -235,7 +235,7 @@ def test_patience_stops_early_and_class_weights_weigh_the_rare_class(tmp_path):
     _, weighted = run(epochs=1, lr=1e-3, class_weights=train.balanced_weights(labels, 2))
     assert not torch.equal(plain, weighted)  # the weights reached the loss
     args = finetune_classifier.parse_args(["--class-weights", "balanced"])
-    settings = finetune_classifier.recipe(args, False, labels, 2, Processes(), lambda *a: None)
+    settings = finetune_classifier.train_settings(args, False, labels, 2, Processes(), lambda *a: None)
     assert settings.class_weights == train.balanced_weights(labels, 2)
 
 

@@ -13,9 +13,9 @@ from torch import nn
 from llama_scratch import Llama, LlamaClassifier, LlamaConfig, classify, finetune_classifier
 from llama_scratch.checkpoints.weights import save_checkpoint
 from llama_scratch.data.labelled import load_dataset
-from llama_scratch.data.splits import split_dataset
+from llama_scratch.data.splitting import split_dataset
 from llama_scratch.model.lora import TARGETS, LoRALinear, LoRASettings, add_lora, merge_lora
-from llama_scratch.planning.memory import Recipe, count_parameters, plan_memory
+from llama_scratch.planning.memory import PlanInputs, count_parameters, plan_memory
 
 from .hf_reference import ours_from_hf, padded_batch, real_positions, tiny_cfg
 from .test_finetune import args_for, run_module
@@ -152,7 +152,7 @@ def test_planned_trainable_count_is_the_models():
     for train_last, settings in [(2, LoRASettings(8)), (None, LoRASettings(4, targets="q,v")), (1, None)]:
         clf = LlamaClassifier(Llama(cfg), num_classes=3, train_last=train_last, lora=settings)
         trainable = sum(p.numel() for p in clf.trainable_parameters().values())
-        plan = plan_memory(Recipe(cfg, 2, 16, train_last, num_classes=3, device_type="cpu", lora=settings))
+        plan = plan_memory(PlanInputs(cfg, 2, 16, train_last, num_classes=3, device_type="cpu", lora=settings))
         assert plan.counts.trainable == trainable == count_parameters(cfg, train_last, 3, settings).trainable
         assert plan.counts.total == sum(p.numel() for p in clf.parameters())
         assert plan.gradients == 4 * trainable and plan.optimizer_state == 2 * 4 * trainable  # float32 AdamW

@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 
 from llama_scratch import Llama, LlamaClassifier, LlamaConfig
-from llama_scratch.data.batching import Split, forward, to_batch
+from llama_scratch.data.batching import TokenizedSplit, forward, to_batch
 from llama_scratch.model.lora import LoRASettings
 from llama_scratch.model.packing import pack, pack_ids
 from llama_scratch.parallel.strategy import Replicated
@@ -30,10 +30,10 @@ def tiny() -> Llama:
     return model
 
 
-def split() -> Split:
+def split() -> TokenizedSplit:
     g = torch.Generator().manual_seed(1)
     ids = [torch.randint(1, CFG.vocab_size, (n,), generator=g).tolist() for n in LENGTHS]
-    return Split(ids, [0, 2, 1, 2], pad_id=0)
+    return TokenizedSplit(ids, [0, 2, 1, 2], pad_id=0)
 
 
 def logits_and_grads(clf: LlamaClassifier, batch: dict) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
@@ -86,7 +86,7 @@ def test_packed_frozen_prefix_equals_padded():
     for a, b, n in zip(packed, padded, LENGTHS, strict=True):
         assert a.shape == (n, CFG.dim)
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
-    cached = Split(data.ids, data.labels, packed, data.pad_id)
+    cached = TokenizedSplit(data.ids, data.labels, packed, data.pad_id)
     with torch.no_grad():
         want = forward(clf, to_batch(data, [3, 0, 2], "left", torch.device("cpu")))
         got = forward(clf, to_batch(cached, [3, 0, 2], "packed", torch.device("cpu")))
@@ -98,7 +98,10 @@ def test_cache_splits_runs_each_distinct_text_once(monkeypatch):
     equal to the text run alone, and the splits keep their order, ids and labels."""
     clf = LlamaClassifier(tiny(), num_classes=3, train_last=1).eval()
     a, b, c, d = split().ids
-    splits = {"train": Split([a, b, a], [0, 1, 0], pad_id=0), "test": Split([c, b, d], [1, 1, 2], pad_id=0)}
+    splits = {
+        "train": TokenizedSplit([a, b, a], [0, 1, 0], pad_id=0),
+        "test": TokenizedSplit([c, b, d], [1, 1, 2], pad_id=0),
+    }
     ran = []
     real = prefix_cache.compute_frozen_states
 

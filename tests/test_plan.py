@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from llama_scratch import Llama, LlamaClassifier, LlamaConfig
 from llama_scratch import finetune_classifier as command
 from llama_scratch.model.lora import LoRASettings
-from llama_scratch.planning.memory import GiB, Recipe, count_parameters, plan_memory, with_margin
+from llama_scratch.planning.memory import GiB, PlanInputs, count_parameters, plan_memory, with_margin
 from llama_scratch.planning.report import format_plan
 from llama_scratch.training.loop import TrainSettings, make_optimizer
 
@@ -38,21 +38,21 @@ def test_llama3_8b_parameter_arithmetic_is_exact():
     assert c.block == BLOCK_8B and c.head == 2 * D
     assert c.trainable == 2 * D + D + BLOCK_8B  # head, final norm, one block
 
-    plan = plan_memory(Recipe(cfg, batch_size=8, seq_len=128, train_last=1))
+    plan = plan_memory(PlanInputs(cfg, batch_size=8, seq_len=128, train_last=1))
     rope = 2 * cfg.max_seq_len * 64 * 4  # cos and sin, float32, head_dim / 2 columns
     assert plan.weights == (8_030_261_248 + 2 * D) * 2 + rope
     assert plan.gradients == c.trainable * 2
     assert plan.optimizer_state == c.trainable * (4 + 4 + 4)  # the default: float32 master, exp_avg, exp_avg_sq
-    lossy = plan_memory(Recipe(cfg, batch_size=8, seq_len=128, train_last=1, optimizer_state="param"))
+    lossy = plan_memory(PlanInputs(cfg, batch_size=8, seq_len=128, train_last=1, optimizer_state="param"))
     assert lossy.optimizer_state == c.trainable * 2 * 2  # exp_avg + exp_avg_sq in bfloat16
 
-    every = plan_memory(Recipe(cfg, 8, 128, train_last=None, gradient_checkpointing=True))
+    every = plan_memory(PlanInputs(cfg, 8, 128, train_last=None, gradient_checkpointing=True))
     assert every.counts.trainable == 8_030_261_248 - V * D + 2 * D  # all but the unused language-model head
-    master = plan_memory(Recipe(cfg, 8, 128, train_last=4, optimizer_state="float32", world_size=8))
+    master = plan_memory(PlanInputs(cfg, 8, 128, train_last=4, optimizer_state="float32", world_size=8))
     assert master.counts.trainable == 2 * D + D + 4 * BLOCK_8B
     assert master.optimizer_state == master.counts.trainable * (4 + 4 + 4)  # float32 master, exp_avg, exp_avg_sq
     # Under DDP the gradients are views of the all-reduce buckets: one copy, kept through the forward.
-    alone = plan_memory(Recipe(cfg, 8, 128, train_last=4, optimizer_state="float32"))
+    alone = plan_memory(PlanInputs(cfg, 8, 128, train_last=4, optimizer_state="float32"))
     assert master.persistent == alone.persistent
     assert master.phases["forward"] == alone.phases["forward"] + master.gradients
 
@@ -72,7 +72,7 @@ def test_weights_gradients_and_optimizer_match_a_real_classifier(dtype, optimize
     cfg = dataclasses.replace(SMALL, dtype=dtype)
     clf = LlamaClassifier(Llama(cfg), num_classes=3, train_last=2)
     plan = plan_memory(
-        Recipe(cfg, 2, 16, train_last=2, num_classes=3, optimizer_state=optimizer_state, device_type="cpu")
+        PlanInputs(cfg, 2, 16, train_last=2, num_classes=3, optimizer_state=optimizer_state, device_type="cpu")
     )
     trainable = clf.trainable_parameters().values()
     assert plan.counts.trainable == sum(p.numel() for p in trainable)
@@ -110,7 +110,7 @@ def test_activations_are_what_autograd_saves(dtype, train_last):
     cfg = dataclasses.replace(SMALL, dtype=dtype)
     clf = LlamaClassifier(Llama(cfg), num_classes=3, train_last=train_last).train()
     measured = saved_for_backward(clf, torch.randint(0, cfg.vocab_size, (4, 64)))
-    planned = plan_memory(Recipe(cfg, 4, 64, train_last, num_classes=3, device_type="cpu")).activations
+    planned = plan_memory(PlanInputs(cfg, 4, 64, train_last, num_classes=3, device_type="cpu")).activations
     assert planned == pytest.approx(measured, rel=0.02)
 
 
@@ -123,7 +123,7 @@ def test_lora_activations_are_what_autograd_saves(dtype, train_last, lora):
     cfg = dataclasses.replace(SMALL, dtype=dtype)
     clf = LlamaClassifier(Llama(cfg), num_classes=3, train_last=train_last, lora=lora).train()
     measured = saved_for_backward(clf, torch.randint(0, cfg.vocab_size, (4, 64)))
-    planned = plan_memory(Recipe(cfg, 4, 64, train_last, num_classes=3, device_type="cpu", lora=lora)).activations
+    planned = plan_memory(PlanInputs(cfg, 4, 64, train_last, num_classes=3, device_type="cpu", lora=lora)).activations
     if train_last == 1 and lora.targets == ("q", "v"):
         assert measured <= planned <= 1.15 * measured
     else:
@@ -144,7 +144,7 @@ def test_peaks_match_live_tensors_of_real_steps(train_last, checkpointing, grad_
     clf.backbone.gradient_checkpointing = checkpointing
     optimizer = make_optimizer(clf, TrainSettings())
     ids = torch.randint(0, cfg.vocab_size, (4, 64))
-    recipe = Recipe(cfg, 4, 64, train_last, gradient_checkpointing=checkpointing, grad_accum=grad_accum, lora=lora)
+    recipe = PlanInputs(cfg, 4, 64, train_last, gradient_checkpointing=checkpointing, grad_accum=grad_accum, lora=lora)
     plan = plan_memory(dataclasses.replace(recipe, device_type="cpu"))
     masters = sum(m.numel() * m.element_size() for m in getattr(optimizer, "masters", []))  # made before the block
     with gpu_8b.peak_memory(torch.device("cpu"), baseline=gpu_8b.tensor_bytes(clf) + masters) as mem:
@@ -336,7 +336,7 @@ def test_plan_that_does_not_fit_exits_2_and_names_the_weights_first(capsys):
     assert "--gradient-checkpointing" not in out and "--batch-size" not in out
     n, each = table_fewest(dict((row[0], row[-1]) for row in docs_plan_table())["Llama-3-70B, last 2 blocks"])
     assert re.search(rf"--shard on {n} GPUs \(torchrun, {n} processes\) +needs {each} GiB", out)
-    r = Recipe(LlamaConfig.from_name("llama3-70b"), 8, 512, train_last=2, dtype=torch.bfloat16, shard=True)
+    r = PlanInputs(LlamaConfig.from_name("llama3-70b"), 8, 512, train_last=2, dtype=torch.bfloat16, shard=True)
     assert plan_memory(dataclasses.replace(r, world_size=n)).fits(80 * GiB)
     assert not plan_memory(dataclasses.replace(r, world_size=n // 2)).fits(80 * GiB)
 
@@ -371,12 +371,12 @@ def test_too_many_trained_blocks_get_the_most_that_fit(capsys):
 
 def test_format_plan_names_every_part():
     cfg = LlamaConfig.from_name("llama3-8b")
-    plan = plan_memory(Recipe(cfg, 4, 512, None, optimizer_state="param", gradient_checkpointing=True))
+    plan = plan_memory(PlanInputs(cfg, 4, 512, None, optimizer_state="param", gradient_checkpointing=True))
     text = format_plan(plan, ("NVIDIA H100 80GB HBM3", 80 * 2**30))
     for part in ("weights", "optimizer state", "gradients", "activations", "recomputed block", "PEAK", "FITS"):
         assert part in text
     with pytest.raises(ValueError, match="optimizer_state"):
-        Recipe(LlamaConfig.from_name("tiny"), 1, 1, optimizer_state="bfloat16")
+        PlanInputs(LlamaConfig.from_name("tiny"), 1, 1, optimizer_state="bfloat16")
 
 
 def test_gpu_benchmark_cpu_shape_runs(tmp_path, capsys):
@@ -425,9 +425,9 @@ def test_several_gpus_reserve_room_for_nccl(capsys):
     """NCCL's buffers live outside PyTorch's allocator: the plan asks for 2.25 GiB more per GPU under DDP on CUDA,
     and says so; one GPU, or a CPU, needs none."""
     cfg = LlamaConfig.from_name("llama3-8b")
-    alone, ddp = (plan_memory(Recipe(cfg, 8, 128, train_last=2, world_size=n)) for n in (1, 8))
+    alone, ddp = (plan_memory(PlanInputs(cfg, 8, 128, train_last=2, world_size=n)) for n in (1, 8))
     assert ddp.required() - with_margin(ddp.peak) == 9 * 2**30 // 4 and alone.required() == with_margin(alone.peak)
-    cpu = plan_memory(Recipe(cfg, 8, 128, train_last=2, world_size=8, device_type="cpu"))
+    cpu = plan_memory(PlanInputs(cfg, 8, 128, train_last=2, world_size=8, device_type="cpu"))
     assert cpu.required() == with_margin(cpu.peak)
     assert "NCCL buffers" in format_plan(ddp, ("NVIDIA H100 80GB HBM3", 80 * 2**30))
     assert "NCCL" not in format_plan(alone, ("NVIDIA H100 80GB HBM3", 80 * 2**30))
@@ -438,7 +438,7 @@ def test_a_ddp_replica_that_cannot_fit_is_refused_naming_shard():
     and the fewest GPUs the sharded plan fits on; 8B with its last 2 blocks trained fits and passes."""
     from llama_scratch.planning.report import PlanDoesNotFit, refuse_unfit_replica
 
-    r = Recipe(LlamaConfig.from_name("llama3-70b"), 4, 512, train_last=2, dtype=torch.bfloat16, world_size=8)
+    r = PlanInputs(LlamaConfig.from_name("llama3-70b"), 4, 512, train_last=2, dtype=torch.bfloat16, world_size=8)
     with pytest.raises(PlanDoesNotFit, match=r"add --shard .*planned to fit from (\d+) GPUs"):
         refuse_unfit_replica(r, ("H100", 80 * GiB), "llama3-70b")
     refuse_unfit_replica(dataclasses.replace(r, cfg=LlamaConfig.from_name("llama3-8b")), ("H100", 80 * GiB), "8b")
@@ -487,7 +487,7 @@ def test_sharded_plan_per_process_figures():
     blocks (this one and the prefetched next; in backward its whole gradient in bfloat16 and float32 too) or the
     embedding's whole gradient come on top in the phases. LoRA's rank-8 A matrices over 64 processes: one row each."""
     cfg = LlamaConfig.from_name("llama3-8b")
-    r = Recipe(cfg, 8, 512, train_last=None, dtype=torch.bfloat16, gradient_checkpointing=True, world_size=8)
+    r = PlanInputs(cfg, 8, 512, train_last=None, dtype=torch.bfloat16, gradient_checkpointing=True, world_size=8)
     ddp, fsdp = plan_memory(r), plan_memory(dataclasses.replace(r, shard=True))
     rope = 2 * cfg.max_seq_len * 64 * 4
     trainable = (8_030_261_248 - V * D) // 8 + D  # all but the unused next-token projection, and one head row
@@ -500,7 +500,7 @@ def test_sharded_plan_per_process_figures():
     assert fsdp.peak < ddp.peak / 5 and fsdp.fits(80 * GiB) and not ddp.fits(80 * GiB)
     assert fsdp.required() - with_margin(fsdp.peak) == 9 * GiB // 4  # NCCL's reserve: several GPUs, CUDA
     qv = LoRASettings(8, targets=("q", "v"))
-    lora = Recipe(cfg, 8, 512, train_last=2, dtype=torch.bfloat16, lora=qv, world_size=64, shard=True)
+    lora = PlanInputs(cfg, 8, 512, train_last=2, dtype=torch.bfloat16, lora=qv, world_size=64, shard=True)
     whole, mine = count_parameters(cfg, 2, 2, qv), plan_memory(lora).counts
     assert mine == whole  # the plan keeps the whole counts; its figures are per process
     adapters = whole.trainable - 2 * D - D  # the head and the final norm train too
@@ -516,7 +516,7 @@ def test_smallest_world_size_that_fits():
     from llama_scratch.planning.advice import smallest_world, world_sizes
 
     assert world_sizes()[:6] == [2, 4, 8, 16, 24, 32] and world_sizes(4)[:5] == [2, 4, 8, 12, 16]
-    r = Recipe(LlamaConfig.from_name("llama3-70b"), 8, 512, None, dtype=torch.bfloat16, gradient_checkpointing=True)
+    r = PlanInputs(LlamaConfig.from_name("llama3-70b"), 8, 512, None, dtype=torch.bfloat16, gradient_checkpointing=True)
     n = smallest_world(r, 80 * GiB)
     assert n is not None and n % 8 == 0 and n > 8
     fitting = plan_memory(dataclasses.replace(r, shard=True, world_size=n))
@@ -533,7 +533,7 @@ def test_smallest_world_size_that_fits():
     assert smallest_world(dataclasses.replace(r, cfg=LlamaConfig.from_name("llama3-8b")), 80 * GiB) == 2
     assert smallest_world(r, 4 * GiB) is None  # activations alone: no number of processes shrinks them
     with pytest.raises(ValueError, match="multiple of the 2 node"):
-        Recipe(r.cfg, 8, 512, world_size=3, nodes=2)
+        PlanInputs(r.cfg, 8, 512, world_size=3, nodes=2)
 
 
 def test_plan_command_sharded(capsys):
@@ -566,7 +566,7 @@ def test_optimizer_step_counts_the_low_precision_gradients_still_held():
     blocks' are there when the last copy is made (LoRA's blocks train no norm gain: none). The simulation found
     each (benchmarks/simulate_scale.py; tests/test_simulate_scale.py)."""
     cfg = LlamaConfig.from_name("llama3-8b")
-    r = Recipe(cfg, 8, 512, train_last=2, dtype=torch.bfloat16)
+    r = PlanInputs(cfg, 8, 512, train_last=2, dtype=torch.bfloat16)
     alone, ddp = plan_memory(r), plan_memory(dataclasses.replace(r, world_size=8))
     p = alone.counts.trainable
     assert alone.step_work == 2 * p and ddp.step_work == 4 * p  # fused AdamW on a GPU: no temporaries of its own

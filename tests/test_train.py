@@ -5,7 +5,7 @@ import math
 import pytest
 import torch
 
-from llama_scratch.data.batching import Split
+from llama_scratch.data.batching import TokenizedSplit
 from llama_scratch.parallel.strategy import Processes, Replicated
 from llama_scratch.training.loop import TrainSettings, check_enough_data, epoch_batches, lr_factor
 
@@ -47,7 +47,7 @@ def test_an_interrupt_mid_step_then_resume_equals_one_run(tmp_path, monkeypatch)
     from llama_scratch.training import loop as train
 
     ids = [[1 + (i * 7 + j) % 100 for j in range(4 + i % 5)] for i in range(24)]
-    splits = {"train": Split(ids, [i % 2 for i in range(24)]), "val": Split(ids[:8], [0, 1] * 4)}
+    splits = {"train": TokenizedSplit(ids, [i % 2 for i in range(24)]), "val": TokenizedSplit(ids[:8], [0, 1] * 4)}
     settings = train.TrainSettings(epochs=2, batch_size=2, grad_accum=2, save_every=100, lr=1e-3)
 
     def run(out, resume=False):
@@ -116,7 +116,7 @@ def test_the_loop_reads_the_device_once_per_optimizer_step(monkeypatch):
     from llama_scratch.training import loop as train
 
     ids = [[1 + (i * 7 + j) % 100 for j in range(4 + i % 5)] for i in range(12)]
-    split = Split(ids, [i % 2 for i in range(12)])
+    split = TokenizedSplit(ids, [i % 2 for i in range(12)])
     for side in ("packed", "right"):
         settings = train.TrainSettings(epochs=1, batch_size=2, grad_accum=2, save_every=100, padding_side=side)
         torch.manual_seed(0)

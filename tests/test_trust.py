@@ -18,7 +18,7 @@ from safetensors.torch import load_file, save_file
 from llama_scratch import Llama, LlamaClassifier, LlamaConfig, classify, finetune_classifier
 from llama_scratch.checkpoints import weights
 from llama_scratch.checkpoints.resume import ResumeError
-from llama_scratch.data.batching import Split
+from llama_scratch.data.batching import TokenizedSplit
 from llama_scratch.parallel.strategy import Replicated
 from llama_scratch.sources import resolve as sources
 from llama_scratch.training import loop as train
@@ -150,7 +150,7 @@ def test_an_interrupt_during_the_last_evaluation_then_resume_records_that_epoch(
     """A resume point saved after the run's last step but before its epoch's end was recorded: --resume must still
     evaluate that epoch (before, the loop saw no steps left and skipped it: a history row and maybe the best lost)."""
     ids = [[1 + (i * 7 + j) % 100 for j in range(4 + i % 5)] for i in range(16)]
-    splits = {"train": Split(ids, [i % 2 for i in range(16)]), "val": Split(ids[:8], [0, 1] * 4)}
+    splits = {"train": TokenizedSplit(ids, [i % 2 for i in range(16)]), "val": TokenizedSplit(ids[:8], [0, 1] * 4)}
     settings = train.TrainSettings(epochs=2, batch_size=4, save_every=4, lr=1e-3)  # a save at the last step
 
     def run(out, resume=False):
@@ -179,7 +179,7 @@ def test_an_interrupt_during_the_last_evaluation_then_resume_records_that_epoch(
 def test_an_interrupt_while_the_best_weights_are_written_loses_nothing(tmp_path):
     """Ctrl-C arriving while on_best writes: the epoch's row, its best weights and the counters stay together."""
     ids = [[1 + (i * 7 + j) % 100 for j in range(4 + i % 5)] for i in range(16)]
-    splits = {"train": Split(ids, [i % 2 for i in range(16)]), "val": Split(ids[:8], [0, 1] * 4)}
+    splits = {"train": TokenizedSplit(ids, [i % 2 for i in range(16)]), "val": TokenizedSplit(ids[:8], [0, 1] * 4)}
     settings = train.TrainSettings(epochs=2, batch_size=4, save_every=100, lr=1e-3)
     saved = []
 
@@ -270,7 +270,7 @@ DIVERGE_SCRIPT = textwrap.dedent(
     import torch.nn.functional as F
 
     from llama_scratch import Llama, LlamaClassifier, LlamaConfig
-    from llama_scratch.data.batching import Split
+    from llama_scratch.data.batching import TokenizedSplit
     from llama_scratch.parallel.strategy import choose_strategy, teardown
     from llama_scratch.training.loop import TrainingDiverged, TrainSettings, train
 
@@ -286,7 +286,7 @@ DIVERGE_SCRIPT = textwrap.dedent(
 
         F.cross_entropy = nan_loss
     ids = [[1 + (i * 7 + j) % 100 for j in range(5 + i % 4)] for i in range(64)]
-    split = Split(ids, [i % 2 for i in range(64)])
+    split = TokenizedSplit(ids, [i % 2 for i in range(64)])
     torch.manual_seed(0)
     clf = LlamaClassifier(Llama(LlamaConfig.from_name("tiny")), num_classes=2, train_last=1)
     model = strategy.wrap(clf)
@@ -319,6 +319,57 @@ def test_the_classify_command_reports_a_bad_run_in_one_line(tmp_path):
         text=True,
     )
     assert r.returncode == 2 and r.stderr.startswith("error:") and len(r.stderr.strip().splitlines()) == 1, r.stderr
+
+
+def test_the_run_record_reads_back_as_written_and_names_a_bad_key(tmp_path):
+    """classifier.json is written and read by run_record alone: a record reads back as it was written (its LoRA entry
+    as LoRASettings plus blocks), and a key a run would not write is one line naming the file and the key."""
+    import dataclasses
+
+    from llama_scratch.checkpoints import run_record
+    from llama_scratch.model.lora import LoRASettings
+
+    run = tmp_path / "run"
+    run.mkdir()
+    record = run_record.new_record(
+        model_ref="tiny",
+        repo_id=None,
+        out=run,
+        from_scratch=False,
+        config=LlamaConfig.from_name("tiny"),
+        label_names=["ham", "spam"],
+        train_last=2,
+        lora=LoRASettings(4, targets=("v", "q")),
+        lora_blocks=[2, 3],
+        tokenizer="llama3",
+        max_length=48,
+        dtype=torch.bfloat16,
+        settings=train.TrainSettings(lr=1e-3),
+    )
+    written = dataclasses.replace(record, run_id="r1")
+    path = run_record.write_record(run, written)
+    save_file({"x": torch.zeros(1)}, run / run_record.WEIGHTS_FILE, metadata={"run_id": "r1"})
+    read = run_record.read_run(run)
+    assert read == written and read.path == path and read.lora.settings == LoRASettings(4, 8.0, 0.0, ("q", "v"))
+    assert read.lora.modules() == [f"blocks.{b}.attention.{p}_proj" for b in (2, 3) for p in "qv"]
+    meta = json.loads(path.read_text())
+    assert meta["lora"] == {"rank": 4, "alpha": 8.0, "dropout": 0.0, "targets": ["q", "v"], "blocks": [2, 3]}
+    assert list(meta)[0] == "base_model" and list(meta)[-2:] == ["settings", "run_id"] and meta["dtype"] == "bfloat16"
+    for key, value, says in (
+        ("lora", {**meta["lora"], "blocks": "2,3"}, "unreadable lora entry (blocks is not a list of block numbers)"),
+        ("lora", {**meta["lora"], "targets": ["q_proj"]}, "unreadable lora entry (LoRA targets are among"),
+        ("lora", {**meta["lora"], "rank": 0}, "unreadable lora entry (the LoRA rank must be at least 1"),
+        ("num_classes", 3, "num_classes/label_names not as a finished run writes them"),
+        ("settings", [], "settings not as a finished run writes them"),
+    ):
+        path.write_text(json.dumps(meta | {key: value}))
+        with pytest.raises(weights.CheckpointError) as e:
+            run_record.read_run(run)
+        assert str(e.value).startswith(f"{path}: {says}"), e.value
+    path.unlink()
+    (run / run_record.RUN_MARKER).write_text("")
+    with pytest.raises(FileNotFoundError, match="holds an unfinished run: finish it with finetune_classifier --resume"):
+        run_record.read_run(run)
 
 
 def test_a_file_with_100k_labels_is_refused_before_training(tmp_path, capsys):

@@ -20,18 +20,19 @@ from ..model.tokenizer import Tokenizer, default_model_path, read_tiktoken_bpe
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
 
 
-def tokenizer_file(meta: dict, base: str | None) -> Path:
-    """The file the run's tokenizer was read from, found as `classify.load_classifier` finds it: the llama-models
-    Llama-3 vocabulary, else the checkpoint's tokenizer.model, original/tokenizer.model or tokenizer.json."""
-    if meta["tokenizer"] == "llama3":
+def tokenizer_file(recorded: str, base: str | None) -> Path:
+    """The file the run's tokenizer was read from (`recorded`: the run record's "tokenizer"), found as
+    `classify.load_classifier` finds it: the llama-models Llama-3 vocabulary, else the checkpoint's tokenizer.model,
+    original/tokenizer.model or tokenizer.json."""
+    if recorded == "llama3":
         return default_model_path()
-    where = Path(base) if base and Path(base).is_dir() else Path(meta["tokenizer"])  # where it is now, if it moved
+    where = Path(base) if base and Path(base).is_dir() else Path(recorded)  # where it is now, if it moved
     if where.is_file():
         return where
     for candidate in (where / "tokenizer.model", where / "original" / "tokenizer.model", where / "tokenizer.json"):
         if candidate.is_file():
             return candidate
-    raise FileNotFoundError(f"no tokenizer in {where} (the run's tokenizer {meta['tokenizer']}); pass --model")
+    raise FileNotFoundError(f"no tokenizer in {where} (the run's tokenizer {recorded}); pass --model")
 
 
 def tokenizer_files(source: Path, tokenizer: Tokenizer, max_length: int) -> dict[str, str]:

@@ -20,7 +20,7 @@ import torch
 
 from ..model.config import LlamaConfig
 from ..model.llama import Llama
-from ..model.lora import TARGETS, merged_weight, parse_targets
+from ..model.lora import merged_weight
 from .atomic import write_text_atomic
 from .hf_layout import (
     IGNORABLE,
@@ -34,45 +34,12 @@ from .hf_layout import (
     read_tensor,
     write_safetensors,
 )
+from .run_record import RecordedLoRA
 
 HEAD = "score.weight"  # transformers' name for the classification head of LlamaForSequenceClassification
 INDEX = "model.safetensors.index.json"
 # An adapter of one projection, as a LoRA run saves it: backbone.blocks.{i}.{path}.lora_a / .lora_b
 _ADAPTER = re.compile(r"backbone\.(?P<module>blocks\.\d+\..+)\.lora_(?P<part>[ab])")
-
-
-@dataclass(frozen=True)
-class Lora:
-    """classifier.json's "lora" entry: the merge needs alpha / rank; blocks and targets say which adapters to expect.
-
-    `targets` are lora.py's short names (q, k, v, o, gate, up, down), as a run records them; `lora.TARGETS` is the
-    one map from those to the module paths the adapters are saved under (attention.q_proj, ...)."""
-
-    rank: int
-    alpha: float
-    blocks: tuple[int, ...]
-    targets: tuple[str, ...]
-
-    @classmethod
-    def from_meta(cls, entry: object, source: str) -> Lora | None:
-        if entry is None:
-            return None
-        try:  # parse_targets refuses a name lora.py does not know, so `modules` never meets one
-            lora = cls(
-                int(entry["rank"]),
-                float(entry["alpha"]),
-                tuple(map(int, entry["blocks"])),
-                parse_targets(list(map(str, entry["targets"]))),
-            )
-        except (KeyError, TypeError, ValueError) as e:
-            raise CheckpointError(f"{source}: 'lora' needs rank, alpha, blocks and targets ({e})") from None
-        if lora.rank < 1:
-            raise CheckpointError(f"{source}: lora rank {lora.rank} is not a positive number")
-        return lora
-
-    def modules(self) -> list[str]:
-        """Every module these settings put an adapter on, as the run names it: blocks.{i}.attention.q_proj, ..."""
-        return [f"blocks.{b}.{TARGETS[t]}" for b in self.blocks for t in self.targets]
 
 
 @dataclass(frozen=True)
@@ -126,7 +93,7 @@ def run_tensors(weights: Path) -> tuple[dict[str, TensorInfo], dict[str, dict[st
 
 
 def plan_export(
-    cfg: LlamaConfig, num_classes: int, weights: Path, base: Path | None, lora: Lora | None
+    cfg: LlamaConfig, num_classes: int, weights: Path, base: Path | None, lora: RecordedLoRA | None
 ) -> list[Planned]:
     """Each output tensor with its sources: the run's trained tensor, else the base's; every problem (a tensor
     missing, unknown or of the wrong shape, an adapter that does not fit) in one CheckpointError."""
@@ -151,14 +118,17 @@ def plan_export(
 
 
 def adapter_problems(
-    adapters: dict[str, dict[str, TensorInfo]], lora: Lora | None, expected: dict[str, tuple[int, ...]], weights: Path
+    adapters: dict[str, dict[str, TensorInfo]],
+    lora: RecordedLoRA | None,
+    expected: dict[str, tuple[int, ...]],
+    weights: Path,
 ) -> list[str]:
     """What keeps the adapters from an exact merge: settings and tensors that disagree, a half, a wrong shape."""
     if lora is None:
         return [f"{weights} holds LoRA adapters but classifier.json has no 'lora' settings"] if adapters else []
     if not adapters:
         return [f"classifier.json describes LoRA adapters but {weights} holds none"]
-    problems, described = [], lora.modules()
+    problems, described, inner = [], lora.modules(), lora.settings.rank  # inner: the adapters' shared width
     for name, parts in adapters.items():
         a, b = parts.get("a"), parts.get("b")
         m = _ADAPTER.fullmatch((a or b).name)
@@ -166,11 +136,11 @@ def adapter_problems(
             problems.append(f"{(a or b).name} has no lora_{'b' if b is None else 'a'} beside it")
         elif name not in expected or len(expected[name]) != 2:
             problems.append(f"{a.name} adapts {name}, which is not a projection of the model")
-        elif a.shape != (lora.rank, expected[name][1]) or b.shape != (expected[name][0], lora.rank):
-            want = f"[{lora.rank}, {expected[name][1]}] and [{expected[name][0]}, {lora.rank}]"
+        elif a.shape != (inner, expected[name][1]) or b.shape != (expected[name][0], inner):
+            want = f"[{inner}, {expected[name][1]}] and [{expected[name][0]}, {inner}]"
             problems.append(f"{m['module']}: lora_a {list(a.shape)} and lora_b {list(b.shape)}, expected {want}")
         elif m["module"] not in described:
-            settings = f"blocks {list(lora.blocks)}, targets {','.join(lora.targets)}"
+            settings = f"blocks {list(lora.blocks)}, targets {','.join(lora.settings.targets)}"
             problems.append(f"{m['module']} has an adapter that classifier.json's lora settings ({settings}) omit")
     # The other way round: a described adapter missing from the file would export the base weight unchanged.
     found = {_ADAPTER.fullmatch(e.name)["module"] for parts in adapters.values() for e in parts.values()}
@@ -181,12 +151,12 @@ def adapter_problems(
     return problems
 
 
-def produce(p: Planned, dtype: torch.dtype, lora: Lora | None) -> torch.Tensor:
+def produce(p: Planned, dtype: torch.dtype, lora: RecordedLoRA | None) -> torch.Tensor:
     """One output tensor, read from its file, its adapter merged in, cast to the export's dtype."""
     t = read_tensor(p.source)
     if p.adapter is not None:
         lora_a, lora_b = (read_tensor(e) for e in p.adapter)
-        t = merged_weight(t, lora_a, lora_b, lora.alpha / lora.rank)
+        t = merged_weight(t, lora_a, lora_b, lora.settings.scale)
         del lora_a, lora_b
     return t.to(dtype).contiguous()
 
@@ -206,7 +176,7 @@ def shard(planned: list[Planned], dtype: torch.dtype, max_shard_bytes: int) -> l
 
 
 def write_weights(
-    out: Path, planned: list[Planned], dtype: torch.dtype, lora: Lora | None, max_shard_bytes: int, log=print
+    out: Path, planned: list[Planned], dtype: torch.dtype, lora: RecordedLoRA | None, max_shard_bytes: int, log=print
 ) -> list[str]:
     """model.safetensors, or shards and their index, in `out`; returns the file names written."""
     shards = shard(planned, dtype, max_shard_bytes)

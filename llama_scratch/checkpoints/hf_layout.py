@@ -346,20 +346,6 @@ CHECKPOINT_FILES.append("SOURCE.md")  # ours
 CHECKPOINT_SUBDIRS = {"original": {"tokenizer.model"}, ".cache": {"huggingface"}}
 
 
-# A fine-tuning run's output folder is not a checkpoint (no config.json, no backbone weights, unless trained from
-# scratch): it is what `classify --checkpoint` and `export_hf --checkpoint` read. Its two marks are named here, below
-# both `sources` (which refuses a run folder given as --model, naming the flag it belongs to) and `run_dir` (which
-# writes them).
-RUN_MARKER = ".llama_scratch-run"  # written when a run starts, finished or not
-RUN_RECORD = "classifier.json"  # written last, when a run finishes
-
-
-def is_run_folder(path: Path) -> bool:
-    """A `finetune_classifier` output folder (finished, or started: its marker), and not also a checkpoint."""
-    marks = (path / RUN_MARKER).is_file() or (path / RUN_RECORD).is_file()
-    return path.is_dir() and marks and not (path / "config.json").is_file()
-
-
 def written_by_us(path: Path) -> bool:
     """Our marker files: config.json and a SOURCE.md that names this tool (every checkpoint we write has both)."""
     source = path / "SOURCE.md"

@@ -1,5 +1,6 @@
 """README.md of an export, the model card: what the model is, what it learned from, how well it did, how it was
-made and how to load it. Everything comes from the run's classifier.json and metrics.json; nothing is guessed."""
+made and how to load it. Everything comes from the run's record (classifier.json) and metrics.json; nothing is
+guessed."""
 
 from __future__ import annotations
 
@@ -8,34 +9,36 @@ from pathlib import Path
 
 import torch
 
+from .run_record import RunRecord
 
-def model_card(meta: dict, metrics: dict, dtype: torch.dtype, command: str) -> str:
+
+def model_card(record: RunRecord, metrics: dict, dtype: torch.dtype, command: str) -> str:
     """The whole card: Hugging Face front matter, then the sections."""
     parts = [
-        front_matter(meta),
-        f"# {title(meta, metrics)}\n\n{summary(meta, metrics)}",
+        front_matter(record),
+        f"# {title(record, metrics)}\n\n{summary(record, metrics)}",
         usage(),
-        labels(meta),
+        labels(record),
         results(metrics),
-        training(meta, metrics, dtype),
+        training(record, metrics, dtype),
         f"## How it was made\n\nTrained by `python -m llama_scratch.finetune_classifier` (run id "
-        f"`{meta.get('run_id', 'not recorded')}`), exported with:\n\n```bash\n{command}\n```",
+        f"`{record.run_id or 'not recorded'}`), exported with:\n\n```bash\n{command}\n```",
     ]
     return "\n\n".join(p for p in parts if p) + "\n"
 
 
-def front_matter(meta: dict) -> str:
+def front_matter(record: RunRecord) -> str:
     """The metadata block the Hub reads; JSON strings are valid YAML, so names need no escaping rules of their own."""
     lines = ["---", "library_name: transformers", "pipeline_tag: text-classification", "tags:", "- llama_scratch"]
-    if repo := meta.get("base_model_repo"):
+    if repo := record.base_model_repo:
         lines.append(f"base_model: {json.dumps(repo)}")
     return "\n".join([*lines, "---"])
 
 
-def base_name(meta: dict) -> str:
-    if meta["weights_include_backbone"]:
-        return f"the `{meta['base_model']}` preset, trained from random weights (no pretrained base)"
-    return f"`{meta.get('base_model_repo') or meta['base_model']}`"
+def base_name(record: RunRecord) -> str:
+    if record.weights_include_backbone:
+        return f"the `{record.base_model}` preset, trained from random weights (no pretrained base)"
+    return f"`{record.base_model_repo or record.base_model}`"
 
 
 def data_name(metrics: dict) -> str | None:
@@ -43,13 +46,13 @@ def data_name(metrics: dict) -> str | None:
     return Path(metrics["data"]).name if metrics.get("data") else None
 
 
-def title(meta: dict, metrics: dict) -> str:
+def title(record: RunRecord, metrics: dict) -> str:
     data = data_name(metrics)
-    return f"Text classifier ({len(meta['label_names'])} classes{f', {data}' if data else ''})"
+    return f"Text classifier ({len(record.label_names)} classes{f', {data}' if data else ''})"
 
 
-def summary(meta: dict, metrics: dict) -> str:
-    lines = [f"A `LlamaForSequenceClassification` fine-tuned from {base_name(meta)} with llama_scratch."]
+def summary(record: RunRecord, metrics: dict) -> str:
+    lines = [f"A `LlamaForSequenceClassification` fine-tuned from {base_name(record)} with llama_scratch."]
     if data := data_name(metrics):
         sizes = ", ".join(f"{k} {v:,}" for k, v in metrics.get("split_sizes", {}).items())
         lines.append(f"Data: `{data}`, split `{metrics.get('split', '?')}` ({sizes} texts).")
@@ -74,8 +77,8 @@ did, and encodes the spelling of a special token inside a text as plain text (`s
 training did, so that no text can contain the padding token."""
 
 
-def labels(meta: dict) -> str:
-    rows = "\n".join(f"| {i} | {name} |" for i, name in enumerate(meta["label_names"]))
+def labels(record: RunRecord) -> str:
+    rows = "\n".join(f"| {i} | {name} |" for i, name in enumerate(record.label_names))
     return f"## Labels\n\n| id | label |\n| --- | --- |\n{rows}"
 
 
@@ -99,24 +102,25 @@ def results(metrics: dict) -> str:
     return text
 
 
-def training(meta: dict, metrics: dict, dtype: torch.dtype) -> str:
-    """What trained and how: blocks, adapters, lengths, dtypes and the recipe's settings."""
-    last = meta["train_last"]
+def training(record: RunRecord, metrics: dict, dtype: torch.dtype) -> str:
+    """What trained and how: blocks, adapters, lengths, dtypes and the training settings."""
+    last = record.train_last
     trained = "every weight" if last is None else f"the head, the final norm and the last {last} blocks"
-    lines = [f"- base model: {base_name(meta)}", f"- trained: {trained}"]
-    if lora := meta.get("lora"):
+    lines = [f"- base model: {base_name(record)}", f"- trained: {trained}"]
+    if lora := record.lora:
+        s = lora.settings
         lines.append(
-            f"- LoRA: rank {lora['rank']}, alpha {lora['alpha']}, targets {', '.join(lora['targets'])}, "
-            f"blocks {', '.join(map(str, lora['blocks']))} (merged into the weights here)"
+            f"- LoRA: rank {s.rank}, alpha {s.alpha}, targets {', '.join(s.targets)}, "
+            f"blocks {', '.join(map(str, lora.blocks))} (merged into the weights here)"
         )
     lines.append(
-        f"- texts cut to {meta['max_length']} tokens in training; trained in {meta['dtype']}, exported in "
+        f"- texts cut to {record.max_length} tokens in training; trained in {record.dtype}, exported in "
         f"{str(dtype).removeprefix('torch.')}"
     )
     if "steps" in metrics:
         steps = metrics["steps"]
         lines.append(f"- {steps:,} optimizer step{'s' if steps != 1 else ''}, best epoch {metrics.get('best_epoch')}")
-    settings = meta.get("settings") or {}
+    settings = record.settings or {}
     shown = {
         k: v
         for k, v in settings.items()

@@ -81,8 +81,9 @@ def length_sorted_batches(
 
 
 @dataclass
-class Split:
-    """A tokenized split: token-id lists and class ids, and optionally each text's frozen-prefix output."""
+class TokenizedSplit:
+    """One split's texts after the tokenizer: token-id lists and class ids, and optionally each text's frozen-prefix
+    output. (`splitting.split_dataset` cuts the labelled texts into splits; `--split` names how.)"""
 
     ids: list[list[int]]
     labels: list[int]
@@ -101,7 +102,7 @@ def pad_states(states: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
     return batch, mask
 
 
-def to_batch(split: Split, rows: list[int], side: str, device: torch.device) -> dict[str, Any]:
+def to_batch(split: TokenizedSplit, rows: list[int], side: str, device: torch.device) -> dict[str, Any]:
     """A batch of these rows: `input_ids` or (with a cache) `frozen_states`, and `labels`; then either `packed`
     (side "packed": the texts one after another, no padding, see packing.py) or `attention_mask` and
     `padding_side` (side "right" or "left"). Decided here, on the host, so the forward never has to look.

@@ -5,7 +5,8 @@ a Parquet file's text and label columns (`parquet_columns`, with pyarrow, an opt
 (`table_rows` reads a .csv, .tsv or .txt table for training and `classify` alike), and how to find columns: by
 name (`find_column`, `first_known`, for header cells and JSON keys), or by their cells (`Column`): whether the
 first row is a header (`looks_like_header`), and which unnamed column is the text and which the label
-(`guess_columns`).
+(`guess_columns`). `labelled.find_columns` puts these together, for training and `classify` alike; what `classify`
+knows besides (the run's label names, whether a label is wanted at all) comes in as arguments.
 `DataError` lives here so the readers can raise it; import it from `llama_scratch.data.labelled`.
 """
 
@@ -17,7 +18,7 @@ import io
 import json
 import re
 import sys
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import closing
 from dataclasses import dataclass
 from itertools import islice
@@ -292,11 +293,19 @@ class Column:
         return 1 if NAME.fullmatch(cell) and 2 * len(cell) <= self.length else 0  # `feedback` atop long texts
 
 
-def looks_like_header(table: list[tuple[int, list[str]]]) -> bool:
-    """Whether the first row names the columns: one of its cells is unlike the rest of its column, and none alike."""
+def looks_like_header(table: list[tuple[int, list[str]]], is_label: Callable[[str], bool] | None = None) -> bool:
+    """Whether the first row names the columns: one of its cells is unlike the rest of its column, and none alike.
+
+    `is_label` (classify: one of the run's label names) tells more: a first-row cell that is a label name atop a
+    column of label names is one more value, however rare (one `spam` atop many `ham` would otherwise look like
+    a name)."""
     first = table[0][1]
     rest = [cells for _, cells in table[1 : COLUMN_SAMPLE + 1] if len(cells) == len(first)]
-    votes = {Column.of(rest, j).vote(cell) for j, cell in enumerate(first)}
+    votes = set()
+    for j, cell in enumerate(first):
+        column = Column.of(rest, j)
+        labels = is_label is not None and bool(column.values) and all(map(is_label, {cell.strip(), *column.values}))
+        votes.add(-1 if labels else column.vote(cell))
     return 1 in votes and -1 not in votes
 
 
@@ -309,9 +318,14 @@ class Table:
     header: bool
     detected: bool  # the header was recognised, not forced: --no-header may be the way out
     json_line: int = 0  # JSON Lines: `first` is the keys of the first object, on this line
+    need_label: bool = True  # False: only the text is wanted (classify without --labels)
 
     def name(self, index: int) -> str:
         return repr(self.first[index]) if self.header else f"column {index}"
+
+    def flags(self) -> str:
+        """The flags that name the columns wanted."""
+        return "--text-column and --label-column" if self.need_label else "--text-column"
 
     def unclear(self, why: str) -> DataError:
         cells = [c if len(c) <= 30 else c[:27] + "..." for c in self.first]
@@ -320,18 +334,30 @@ class Table:
         if self.json_line:
             seen, ways = f"keys {cells} on line {self.json_line:,}", "key names"
         no_header = ", or --no-header if the first row is data" if self.detected else ""
-        return DataError(f"{self.path}: {why} ({seen}); pass --text-column and --label-column ({ways}){no_header}")
+        return DataError(f"{self.path}: {why} ({seen}); pass {self.flags()} ({ways}){no_header}")
 
 
-def guess_columns(where: Table, columns: list[Column], ti: int | None, li: int | None) -> tuple[int, int]:
+def guess_columns(
+    where: Table, columns: list[Column], ti: int | None, li: int | None, is_label: Callable[[str], bool] | None = None
+) -> tuple[int, int | None]:
     """The text and label columns not named, told apart by their values.
 
     Of two columns, the label has at most half as many distinct values as the text. In a wider table, ids (every
     value distinct) are set aside; the label is the one column with few distinct values (repeats, at most
     GUESSED_CLASSES), the text the column with the longest values, at least twice as long as any other's.
+
+    What classify knows besides: `is_label` (one of the run's label names) names the label first, when exactly one
+    column holds nothing else (a few rows say little about repeats; the run's names say which column they fill).
+    Without a label wanted (`where.need_label` False), one column is the text, and the text is still found when
+    no column is clearly the label (the label may be None then).
     """
     if len(columns) < 2:
+        if columns and not where.need_label:
+            return 0, li
         raise where.unclear("one column only; a text and a label need two")
+    if li is None and is_label is not None:
+        named = [j for j, c in enumerate(columns) if j != ti and c.values and all(map(is_label, c.values))]
+        li = named[0] if len(named) == 1 else None
     if len(columns) == 2:
         if ti is not None or li is not None:
             return (1 - li, li) if ti is None else (ti, 1 - ti)
@@ -343,7 +369,7 @@ def guess_columns(where: Table, columns: list[Column], ti: int | None, li: int |
         return 1 - label, label
     free = [j for j, c in enumerate(columns) if j not in (ti, li) and not c.is_id]
     labels = [j for j in free if columns[j].repeats and len(columns[j].values) <= GUESSED_CLASSES]
-    if li is None:
+    if li is None and (len(labels) == 1 or where.need_label):
         if len(labels) != 1:
             raise where.unclear(_which("label", "few distinct values", where, labels))
         li = labels[0]

@@ -1,7 +1,9 @@
 """What `classify` reads: texts from the command line, a file with one text per line, or a CSV/TSV/TXT/JSONL
-table whose text column (and, for `--labels`, label column) is found the way training finds it (`data.py`).
-Tables are read by training's own readers (`data_files.table_rows`: the same cells, quotes read the same way), columns
-and JSON keys are found by name with its `find_column`, and keys with other names by `data.json_keys`.
+table whose text column (and, for `--labels`, label column) is found the way training finds it.
+Tables are read by training's own readers (`formats.table_rows`: the same cells, quotes read the same way), their
+columns found by training's own finder (`labelled.find_columns`: the same names, the same rules for a header row
+and for columns told apart by their values) and JSON keys by `labelled.json_keys`. Classify adds what it knows:
+the run's label names (a column holding only those is the label) and whether a label is wanted at all.
 
 Labels are checked against the run's label names here, before the model loads: an unknown one is an error that
 names the line. Empty texts are left out and counted, never classified.
@@ -9,26 +11,25 @@ names the line. Empty texts are left out and counted, never classified.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import re
 import sys
-from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from .formats import (
     UNDECODABLE,
     decode,
-    find_column,
-    first_known,
     jsonl_objects,
     table_rows,
 )
 from .labelled import (
-    LABEL_NAMES,
     MAX_LABEL_DIGITS,
-    TEXT_NAMES,
     DataError,
+    TableColumns,
+    find_columns,
     json_keys,
 )
 
@@ -45,6 +46,7 @@ class Inputs:
     labels: list[str] | None = None
     skipped: list[str] = field(default_factory=list)
     read_as: str = ""
+    columns: str = ""  # the table's columns, when told from its cells rather than by name: worth saying
 
 
 Row = tuple[str, str, str | None]  # (where, text, label or None when labels were not asked for)
@@ -57,15 +59,17 @@ def read_inputs(
     label_column: str | None,
     labels: bool,
     label_names: list[str],
+    header: bool | None = None,
 ) -> Inputs:
-    """The texts of the command line, then of `file`; with `labels`, each text's label as a name of the run."""
+    """The texts of the command line, then of `file`; with `labels`, each text's label as a name of the run.
+    `header` False: a table's first row is data (--no-header); None: told from the table, as in training."""
     rows: list[Row] = [(f"argument {i}", text, None) for i, text in enumerate(texts, start=1)]
-    skipped: list[str] = []  # rows of the file that are not even a text
-    read_as = ""
+    inputs = Inputs(labels=[] if labels else None)
     if file:
-        file_rows, skipped, read_as = read_file(file, text_column, label_column, labels, label_names)
+        file_rows, inputs.skipped, inputs.read_as, inputs.columns = read_file(
+            file, text_column, label_column, labels, label_names, header
+        )
         rows += file_rows
-    inputs = Inputs(labels=[] if labels else None, skipped=skipped, read_as=read_as)
     for where, text, label in rows:
         if UNDECODABLE.search(text):
             inputs.skipped.append(f"{where}: undecodable bytes (not UTF-8)")
@@ -94,16 +98,26 @@ def known_label(value: str, label_names: list[str]) -> str | None:
     return None
 
 
+def run_label(label_names: list[str]) -> Callable[[str], bool]:
+    """Whether a cell is one of the run's labels (as `known_label` reads it): what classify tells the column finder."""
+    return lambda value: known_label(value, label_names) is not None
+
+
 def read_file(
-    name: str, text_column: str | None, label_column: str | None, labels: bool, label_names: list[str]
-) -> tuple[list[Row], list[str], str]:
-    """Rows and skipped rows of `--file`, and how a table's quotes were read (or ""): .csv, .tsv and .jsonl are
-    tables; .txt too when a column is asked for (read like training data), else it holds one text per line, like
-    standard input ('-') and any other file."""
+    name: str,
+    text_column: str | None,
+    label_column: str | None,
+    labels: bool,
+    label_names: list[str],
+    header: bool | None = None,
+) -> tuple[list[Row], list[str], str, str]:
+    """Rows and skipped rows of `--file`, how a table's quotes were read and how its columns were found, when
+    that needs saying (else ""): .csv, .tsv and .jsonl are tables; .txt too when a column is asked for (read like
+    training data), else it holds one text per line, like standard input ('-') and any other file."""
     if name == "-":
         if labels or text_column is not None:
             raise DataError("--labels and --text-column need a .csv, .tsv, .txt or .jsonl file, not standard input")
-        return line_rows(decode(sys.stdin.buffer.read(), Path("<stdin>")), "<stdin>"), [], ""
+        return line_rows(decode(sys.stdin.buffer.read(), Path("<stdin>")), "<stdin>"), [], "", ""
     path = Path(name)
     try:
         raw = path.read_bytes()
@@ -115,23 +129,22 @@ def read_file(
     text = decode(raw, path)
     asked = labels or text_column is not None
     if suffix == ".jsonl":
-        return (*jsonl_rows(text, name, text_column, label_column, labels), "")
+        return (*jsonl_rows(text, name, text_column, label_column, labels, label_names), "", "")
     if suffix in (".csv", ".tsv") or (suffix == ".txt" and asked):
         table, read_as = table_rows(text, path)
     elif asked:
         raise DataError(f"{name}: --labels and --text-column need a .csv, .tsv, .txt or .jsonl file")
     else:
-        return line_rows(text, name), [], ""
-    if not table:
-        raise DataError(f"{name}: the file has no rows")
-    body, width, ti, li = choose_columns(table, name, text_column, label_column, labels, label_names)
+        return line_rows(text, name), [], "", ""
+    found = choose_columns(table, name, text_column, label_column, labels, label_names, header)
     rows, skipped = [], []
-    for line, cells in body:
-        if len(cells) != width:
-            skipped.append(f"{name} line {line}: expected {width} columns, found {len(cells)}")
+    for line, cells in found.body:
+        if len(cells) != found.width:
+            skipped.append(f"{name} line {line}: expected {found.width} columns, found {len(cells)}")
         else:
-            rows.append((f"{name} line {line}", cells[ti], cells[li] if li is not None else None))
-    return rows, skipped, read_as
+            label = cells[found.label] if found.label is not None else None
+            rows.append((f"{name} line {line}", cells[found.text], label))
+    return rows, skipped, read_as, found.describe() if found.guessed else ""
 
 
 def line_rows(text: str, source: str) -> list[Row]:
@@ -142,50 +155,25 @@ def line_rows(text: str, source: str) -> list[Row]:
     return [(f"{source} line {n}", line.removesuffix("\r"), None) for n, line in enumerate(lines, start=1)]
 
 
-Table = list[tuple[int, list[str]]]  # (line, cells) per row, as data_files reads them
-
-
 def choose_columns(
-    table: Table, name: str, text_column: str | None, label_column: str | None, labels: bool, label_names: list[str]
-) -> tuple[Table, int, int, int | None]:
-    """(rows below any header, their width, text column, label column when asked for). As in training, a header
-    row names a known column (data.TEXT_NAMES, LABEL_NAMES) or a given one; without a header, columns are 0-based
-    numbers, a single column is the text, and of two, the one holding only the run's label names is the label."""
-    header = table[0][1]
-    ti = find_column(header, text_column) if text_column is not None else first_known(header, TEXT_NAMES)
-    li = find_column(header, label_column) if label_column is not None else first_known(header, LABEL_NAMES)
-    if ti is not None or li is not None:  # a header row
-        body, width = table[1:], len(header)
-        for given, index in ((text_column, ti), (label_column, li)):
-            if given is not None and index is None:
-                raise DataError(f"{name}: no column {given!r} in the header {header}")
-    else:
-        body, width = table, Counter(len(cells) for _, cells in table).most_common(1)[0][0]
-        ti, li = (None if c is None else column_number(c, width, name, header) for c in (text_column, label_column))
-        if width == 1:
-            ti = 0 if ti is None else ti
-        elif width == 2 and ti is None and li is None:
-            only_labels = [i for i in (0, 1) if all(known_label(c[i], label_names) for _, c in table if len(c) == 2)]
-            li = only_labels[0] if len(only_labels) == 1 else None
-    if width == 2 and (ti is None) != (li is None):
-        ti, li = (1 - li, li) if ti is None else (ti, 1 - ti)
-    if ti is None or (labels and li is None) or ti == li:
-        what, ask = ("text and label columns", " and --label-column") if labels else ("text column", "")
-        raise DataError(f"{name}: cannot tell the {what} in the first row {header}; pass --text-column{ask}")
-    return body, width, ti, li if labels else None
-
-
-def column_number(given: str, width: int, name: str, header: list[str]) -> int:
-    if INTEGER.fullmatch(given.strip()) and 0 <= int(given) < width:
-        return int(given)
-    raise DataError(
-        f"{name}: no column {given!r}: the first row {header} is not a header, so columns are 0-based "
-        f"numbers below {width}"
-    )
+    table: list[tuple[int, list[str]]],
+    name: str,
+    text_column: str | None,
+    label_column: str | None,
+    labels: bool,
+    label_names: list[str],
+    header: bool | None = None,
+) -> TableColumns:
+    """The table's columns as training finds them (`labelled.find_columns`: by name, else a header row and the
+    columns told from their cells), with what classify knows besides: the run's label names (the one column
+    holding only those is the label, and a first row of them is data, not a header) and whether a label is wanted
+    (without --labels only the text column is, and a single column is the text). `label` is None without labels."""
+    found = find_columns(table, Path(name), text_column, label_column, header, labels, run_label(label_names))
+    return found if labels else dataclasses.replace(found, label=None)
 
 
 def jsonl_rows(
-    text: str, name: str, text_key: str | None, label_key: str | None, labels: bool
+    text: str, name: str, text_key: str | None, label_key: str | None, labels: bool, label_names: list[str]
 ) -> tuple[list[Row], list[str]]:
     """One JSON object per line; the keys as training finds them (`data.json_keys`), the label's only with labels.
     A key given but not in the first object is an error here (training would skip every row as missing it)."""
@@ -193,7 +181,7 @@ def jsonl_rows(
     found = [(number, obj) for number, obj, _ in objects if obj is not None]
     tk, lk = "", None  # no object at all: every line is skipped below, with its reason
     if found:
-        tk, lk = json_keys(objects, Path(name), text_key, label_key, label=labels)
+        tk, lk = json_keys(objects, Path(name), text_key, label_key, labels, run_label(label_names))
         number, first = found[0]
         for key in (tk, lk) if labels else (tk,):
             if key not in first:

@@ -3,7 +3,7 @@ files, and Hugging Face dataset repositories (`owner/name`, made local by `hub_d
 
 `load_dataset` reads rows into `LabelledTexts`; bad rows are skipped and reported (file, line, why), never fatal.
 The file formats themselves (encoding checks, CSV/TSV/TXT/JSONL parsing) are in `data_files`.
-What follows: `splits.split_dataset` cuts train/val/test, and `batching` turns texts into padded token batches.
+What follows: `splitting.split_dataset` cuts train/val/test, and `batching` turns texts into padded token batches.
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ import json
 import re
 import warnings
 from collections import Counter
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from importlib import resources
 from pathlib import Path
@@ -210,36 +210,75 @@ def _read_table(
     header: bool | None,
 ) -> tuple[list[tuple[int, str, str]], list[BadRow], str]:
     """Find the header row and the text and label columns, then turn rows into (line, text, label) items or bad rows."""
+    found = find_columns(table, path, text_column, label_column, header)
+    items, skipped = [], []
+    for line, cells in found.body:
+        if len(cells) != found.width:
+            skipped.append(BadRow(line, f"expected {found.width} columns, found {len(cells)}"))
+        else:
+            _check_item(line, cells[found.text], cells[found.label].strip(), items, skipped)
+    return items, skipped, found.describe()
+
+
+@dataclass
+class TableColumns:
+    """Where a table's texts (and labels) are: its rows below any header, their width, and the columns."""
+
+    where: Table  # the first row and whether it is a header, for names and messages
+    body: list[tuple[int, list[str]]]
+    width: int
+    text: int
+    label: int | None  # None: no label was wanted, and none was clear
+    guessed: bool  # told from the cells (a header row by its contents, or columns by their values), not by a name
+
+    def describe(self) -> str:
+        """How the table was read, e.g. "text 'review', label 'stars' (header row)", as training logs it."""
+        label = "" if self.label is None else f", label {self.where.name(self.label)}"
+        return f"text {self.where.name(self.text)}{label} ({'header row' if self.where.header else 'no header row'})"
+
+
+def find_columns(
+    table: list[tuple[int, list[str]]],
+    path: Path,
+    text_column: str | None,
+    label_column: str | None,
+    header: bool | None = None,
+    need_label: bool = True,
+    is_label: Callable[[str], bool] | None = None,
+) -> TableColumns:
+    """The one column finder, for training's tables and classify's alike: a header row if the first row names a
+    known column (TEXT_NAMES, LABEL_NAMES) or a given one, or if its cells are unlike their columns'
+    (`looks_like_header`; `header` True or False says so instead); the text and label columns as given (header
+    names or 0-based numbers), else by known names, else told apart by their values (`guess_columns`).
+
+    A single column is a header only by name: with nothing beside it to compare, a short first text would look like
+    a column name (classify reads one-column files: a list of texts). `need_label` False (classify without
+    --labels) wants only the text column; `is_label` (classify: one of the run's label names) helps both guesses.
+    """
     if not table:
         raise DataError(f"{path}: the file has no rows")
     first = table[0][1]
     named = any(find_column(first, c) is not None for c in (text_column, label_column) if c is not None)
+    known = first_known(first, TEXT_NAMES) is not None or first_known(first, LABEL_NAMES) is not None
     if header is None:
-        known = first_known(first, TEXT_NAMES) is not None or first_known(first, LABEL_NAMES) is not None
-        found = known or (not named and looks_like_header(table))
-        where = Table(path, first, named or found, detected=found)
+        found = known or (not named and len(first) > 1 and looks_like_header(table, is_label))
+        where = Table(path, first, named or found, detected=found, need_label=need_label)
     else:
-        where = Table(path, first, header, detected=False)
+        where = Table(path, first, header, detected=False, need_label=need_label)
+    guessed = where.detected and not known
     body = table[1:] if where.header else table
     width = len(first) if where.header else Counter(len(cells) for _, cells in table).most_common(1)[0][0]
     ti, li = (_given_column(where, c, width) for c in (text_column, label_column))
     if where.header:
         ti = first_known(first, TEXT_NAMES) if text_column is None else ti
         li = first_known(first, LABEL_NAMES) if label_column is None else li
-    if ti is None or li is None:
+    if ti is None or (li is None and need_label):
         rows = [cells for _, cells in body[:COLUMN_SAMPLE] if len(cells) == width]
-        ti, li = guess_columns(where, [Column.of(rows, j) for j in range(width)], ti, li)
+        ti, li = guess_columns(where, [Column.of(rows, j) for j in range(width)], ti, li, is_label)
+        guessed = True
     if ti == li:
         raise where.unclear(f"the text and the label are both {where.name(ti)}")
-    items, skipped = [], []
-    for line, cells in body:
-        if len(cells) != width:
-            skipped.append(BadRow(line, f"expected {width} columns, found {len(cells)}"))
-        else:
-            _check_item(line, cells[ti], cells[li].strip(), items, skipped)
-    what = "header row" if where.header else "no header row"
-    columns = f"text {where.name(ti)}, label {where.name(li)} ({what})"
-    return items, skipped, columns
+    return TableColumns(where, body, width, ti, li, guessed)
 
 
 def _given_column(where: Table, name: str | None, width: int) -> int | None:
@@ -253,8 +292,8 @@ def _given_column(where: Table, name: str | None, width: int) -> int | None:
     if where.header:
         raise DataError(f"{where.path}: no column {name!r} in the header {where.first}")
     raise DataError(
-        f"{where.path}: no header row (first row: {where.first}) and no column {name!r}; pass --text-column and "
-        f"--label-column as header names, or as 0-based column numbers below {width}"
+        f"{where.path}: no header row (first row: {where.first}) and no column {name!r}; pass {where.flags()} as "
+        f"header names, or as 0-based column numbers below {width}"
     )
 
 
@@ -281,6 +320,7 @@ def json_keys(
     text_key: str | None,
     label_key: str | None,
     label: bool = True,
+    is_label: Callable[[str], bool] | None = None,
 ) -> tuple[str, str | None]:
     """The text and label keys of JSON Lines objects (as `jsonl_objects` reads them): the given ones, else the first
     known names (TEXT_NAMES, LABEL_NAMES) among the first object's keys, found like header cells.
@@ -288,7 +328,7 @@ def json_keys(
     Keys with other names (`docstring`, `package`) are told apart by their values in the first COLUMN_SAMPLE
     objects, as a table's unnamed columns are (`guess_columns`): the label has few distinct values, the text the
     longest strings. `label` False: only the text key is needed (classify without --labels); the label key may
-    then be None.
+    then be None. `is_label` is what classify knows besides, as for a table (`find_columns`).
     """
     number, first = next((number, obj) for number, obj, _ in objects if obj is not None)
     keys = [str(k) for k in first]
@@ -297,14 +337,14 @@ def json_keys(
     lk = label_key if label_key is not None else known[1]
     if tk is not None and (lk is not None or not label):
         return tk, lk
-    where = Table(path, keys, header=True, detected=False, json_line=number)
+    where = Table(path, keys, header=True, detected=False, json_line=number, need_label=label)
     sample = [[_json_cell(obj.get(k)) for k in keys] for _, obj, _ in objects[:COLUMN_SAMPLE] if obj is not None]
     given = [None if k is None else find_column(keys, k) for k in (tk, lk)]
     for k, index in zip((tk, lk), given, strict=True):
         if k is not None and index is None:
             raise DataError(f"{path} line {number}: no key {k!r} among {keys}; pass --text-column and --label-column")
-    ti, li = guess_columns(where, [Column.of(sample, j) for j in range(len(keys))], *given)
-    return keys[ti], keys[li]
+    ti, li = guess_columns(where, [Column.of(sample, j) for j in range(len(keys))], *given, is_label)
+    return keys[ti], None if li is None else keys[li]
 
 
 def _json_cell(value: object) -> str:

@@ -62,11 +62,6 @@ class LoRASettings:
     def scale(self) -> float:
         return self.alpha / self.rank
 
-    def record(self, blocks: list[int]) -> dict:
-        """What classifier.json and the export keep: enough to rebuild the same adapters in the same blocks."""
-        targets = list(self.targets)
-        return {"rank": self.rank, "alpha": self.alpha, "dropout": self.dropout, "targets": targets, "blocks": blocks}
-
 
 def parse_targets(targets: str | Iterable[str]) -> tuple[str, ...]:
     """'q,k,v' (or a list of names) -> ('q', 'k', 'v') in the block's order; an unknown name is a clear error."""

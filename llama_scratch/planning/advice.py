@@ -16,7 +16,7 @@ from .memory import (
     FP32,
     GiB,
     MemoryPlan,
-    Recipe,
+    PlanInputs,
     plan_memory,
     with_margin,
 )
@@ -53,8 +53,8 @@ def _exceeds(what: str, n: int, gpu_bytes: int) -> str:
     return f"{what} ({in_gib(n)}{margin}) exceed the GPU's {in_gib(gpu_bytes)}"
 
 
-def _flags(r: Recipe, changes: dict) -> str:
-    """The command-line flags that turn recipe `r` into `r` with `changes` (unchanged fields say nothing)."""
+def _flags(r: PlanInputs, changes: dict) -> str:
+    """The command-line flags that turn the plan inputs `r` into `r` with `changes` (unchanged fields say nothing)."""
     names = {"optimizer_state": "--optimizer-state", "train_last": "--train-last", "batch_size": "--batch-size"}
     names |= {"grad_accum": "--grad-accum", "seq_len": "--max-length"}
     flags = []
@@ -70,7 +70,7 @@ def _flags(r: Recipe, changes: dict) -> str:
     return " ".join(flags)
 
 
-def replan(r: Recipe, changes: dict) -> MemoryPlan:
+def replan(r: PlanInputs, changes: dict) -> MemoryPlan:
     return plan_memory(dataclasses.replace(r, **changes))
 
 
@@ -89,7 +89,7 @@ def _largest(values: list[int], plan_with: Callable[[int], MemoryPlan], gpu_byte
 def _fewer_trained(plan: MemoryPlan, gpu_bytes: int) -> list[tuple[dict, MemoryPlan]]:
     """Optimizer state and gradients grow with what trains: the most blocks that fit as asked, then with the
     cheaper options (AdamW moments in the parameter dtype, gradient checkpointing), each kept if it trains more."""
-    r = plan.recipe
+    r = plan.inputs
     variants = [{}]
     if r.optimizer_state == "float32" and r.param_dtype.itemsize < FP32:
         variants.append({"optimizer_state": "param"})  # 12 bytes of state per trained parameter become 4 (bf16)
@@ -112,7 +112,7 @@ def _smaller_activations(plan: MemoryPlan, gpu_bytes: int) -> list[tuple[dict, M
     """Activations grow with the rows and tokens of a micro-batch: gradient checkpointing, or fewer rows per
     micro-batch (more micro-batches: the same rows per optimizer step), both if neither alone fits, and only then
     shorter texts."""
-    r = plan.recipe
+    r = plan.inputs
     rows = r.batch_size * r.grad_accum
     sizes = [b for b in range(1, r.batch_size) if rows % b == 0]
     ckpt = {} if r.gradient_checkpointing else {"gradient_checkpointing": True}
@@ -134,7 +134,7 @@ def _smaller_activations(plan: MemoryPlan, gpu_bytes: int) -> list[tuple[dict, M
 def advise(plan: MemoryPlan, gpu_bytes: int) -> Advice:
     """Name the first part of the plan that does not fit on `gpu_bytes` and try only what shrinks that part,
     re-planning each option. When none fits but the best one gets past this part, go on to the next part."""
-    r, stage = plan.recipe, misfit(plan, gpu_bytes)
+    r, stage = plan.inputs, misfit(plan, gpu_bytes)
     note = ""
     if stage == STAGES[0]:
         dtype = str(r.param_dtype).removeprefix("torch.")
@@ -172,7 +172,7 @@ def advise(plan: MemoryPlan, gpu_bytes: int) -> Advice:
 
 def shard_option(plan: MemoryPlan, gpu_bytes: int) -> tuple[str, int] | None:
     """Sharding as an option: the fewest GPUs over which `--shard` fits, as flags and the memory each then needs."""
-    r = plan.recipe
+    r = plan.inputs
     n = smallest_world(dataclasses.replace(r, shard_group=None), gpu_bytes)
     if r.shard and n is not None and n <= r.world_size:
         return None
@@ -204,9 +204,9 @@ def world_sizes(per_node: int = 8, most: int = 1024) -> list[int]:
     return [n for n in [*small, *range(per_node, most + 1, per_node)] if 2 <= n <= most]
 
 
-def smallest_world(r: Recipe, gpu_bytes: int, most: int = 1024) -> int | None:
-    """The fewest processes (GPUs) over which the recipe, sharded, fits `gpu_bytes` each: 2, 4, 8, then whole
-    nodes of 8 (or of the recipe's GPUs per node, when it spans several nodes). Bisection: each process's share
+def smallest_world(r: PlanInputs, gpu_bytes: int, most: int = 1024) -> int | None:
+    """The fewest processes (GPUs) over which a run of `r`, sharded, fits `gpu_bytes` each: 2, 4, 8, then whole
+    nodes of 8 (or of `r`'s GPUs per node, when it spans several nodes). Bisection: each process's share
     only shrinks as processes are added. None: not even `most`."""
     sizes = world_sizes(r.per_node if r.nodes > 1 else 8, most)
     lo, hi, best = 0, len(sizes) - 1, None

@@ -53,8 +53,10 @@ def with_margin(n: int) -> int:
 
 
 @dataclass(frozen=True)
-class Recipe:
-    """What a training run looks like to memory. `batch_size` is per process (per GPU)."""
+class PlanInputs:
+    """What the memory plan is given: a training run as memory sees it (the model, the batch, what trains, the
+    optimizer state, the processes and how they share the work). `batch_size` is per process (per GPU). Not
+    `TrainSettings`: `--plan` builds these from the flags and a config alone, before any data or weight is read."""
 
     cfg: LlamaConfig
     batch_size: int
@@ -97,7 +99,7 @@ class Recipe:
         return len(trained_blocks(self.cfg.n_layers, self.train_last))
 
 
-def gathered_bytes(r: Recipe, counts: ParamCounts) -> tuple[int, int]:
+def gathered_bytes(r: PlanInputs, counts: ParamCounts) -> tuple[int, int]:
     """Sharded (FSDP2): whole parameters held beside the shards in forward and in backward (sharding.shard_model).
 
     A group (a block, an untied embedding, the root) is gathered into one buffer and then copied out into its
@@ -135,7 +137,7 @@ class Row:
 class MemoryPlan:
     """Bytes per process: the parts, the peak and the phase it falls in."""
 
-    recipe: Recipe
+    inputs: PlanInputs
     counts: ParamCounts
     weights: int
     gradients: int
@@ -165,7 +167,7 @@ class MemoryPlan:
     @property
     def collectives(self) -> int:
         """NCCL's memory when several GPUs train together (none on CPU, or alone)."""
-        return COLLECTIVES_RESERVE if self.recipe.world_size > 1 and self.recipe.device_type == "cuda" else 0
+        return COLLECTIVES_RESERVE if self.inputs.world_size > 1 and self.inputs.device_type == "cuda" else 0
 
     def required(self) -> int:
         """The GPU memory to ask for: the peak plus room for the CUDA context, allocator fragmentation and NCCL."""
@@ -175,7 +177,7 @@ class MemoryPlan:
         return self.required() <= gpu_bytes
 
     def as_dict(self) -> dict:
-        r = self.recipe
+        r = self.inputs
         return {
             "model_params": self.counts.backbone,
             "trainable_params": self.counts.trainable,
@@ -197,7 +199,7 @@ class MemoryPlan:
         }
 
 
-def optimizer_bytes(r: Recipe, counts) -> tuple[int, int]:
+def optimizer_bytes(r: PlanInputs, counts) -> tuple[int, int]:
     """AdamW's state, and its temporaries during a step. torch's AdamW keeps exp_avg and exp_avg_sq in the
     parameter dtype; "float32" keeps both in float32 next to a float32 master copy of each low-precision trained
     parameter (train.make_optimizer)."""
@@ -217,7 +219,7 @@ def optimizer_bytes(r: Recipe, counts) -> tuple[int, int]:
     return state, (FP32 - s) * p + max(low_precision_kept(r, counts), temporaries)
 
 
-def low_precision_kept(r: Recipe, counts) -> int:
+def low_precision_kept(r: PlanInputs, counts) -> int:
     """Of the low-precision gradients that MasterWeightAdamW.step drops as it makes their float32 copies (optim.py),
     the bytes still held when the last copy is made (beside all the float32 ones; AdamW's own temporaries come
     after, when these are gone). Under DDP none is freed: they are views of its buckets (see optimizer_bytes).
@@ -238,7 +240,7 @@ def low_precision_kept(r: Recipe, counts) -> int:
     return s * (blocks + root)
 
 
-def backward_peak(r: Recipe, cfg: LlamaConfig, counts, activations: int, held: int, saved: tuple) -> int:
+def backward_peak(r: PlanInputs, cfg: LlamaConfig, counts, activations: int, held: int, saved: tuple) -> int:
     """The most memory backward holds at once, beside weights and optimizer state.
 
     Backward goes block by block from the top (the head's and final norm's gradients come first, the embedding's
@@ -274,7 +276,7 @@ def backward_peak(r: Recipe, cfg: LlamaConfig, counts, activations: int, held: i
     return max(peak, alive + grads)  # the embedding's gradient, when everything trains
 
 
-def held_gradients(r: Recipe, whole: int, mine: int) -> int:
+def held_gradients(r: PlanInputs, whole: int, mine: int) -> int:
     """Gradients allocated through the forward: when accumulating (the earlier micro-batches' are there), and under
     DDP, where they are views of its all-reduce buckets, zeroed between steps but never freed (distributed.wrap).
     Sharded, the micro-batches before a step's last keep theirs whole (unsharded) until it: `whole`, not `mine`."""
@@ -283,8 +285,8 @@ def held_gradients(r: Recipe, whole: int, mine: int) -> int:
     return mine if r.grad_accum > 1 or r.world_size > 1 else 0
 
 
-def plan_memory(r: Recipe) -> MemoryPlan:
-    """Bytes one process needs for the recipe, part by part, and its peak."""
+def plan_memory(r: PlanInputs) -> MemoryPlan:
+    """Bytes one process needs for a run of these inputs, part by part, and its peak."""
     if r.lora is not None and r.train_last is None:  # adapters in every block; the embedding stays frozen
         r = dataclasses.replace(r, train_last=r.cfg.n_layers)
     cfg = dataclasses.replace(r.cfg, dtype=r.param_dtype)
@@ -327,7 +329,7 @@ def plan_memory(r: Recipe) -> MemoryPlan:
     if k == cfg.n_layers:
         del phases["frozen forward"]  # nothing is frozen
     return MemoryPlan(
-        recipe=r,
+        inputs=r,
         counts=whole,
         weights=s * counts.total + counts.buffer_bytes,
         gradients=grads,

@@ -30,7 +30,7 @@ from .memory import (
     FP32,
     GiB,
     MemoryPlan,
-    Recipe,
+    PlanInputs,
     plan_memory,
     with_margin,
 )
@@ -54,15 +54,15 @@ def _gib(n: int) -> str:
     return f"{n / GiB:9.2f} GiB"
 
 
-def trained_text(r: Recipe) -> str:
+def trained_text(r: PlanInputs) -> str:
     """What trains, in words: blocks, or LoRA adapters in them."""
     trained = "all blocks and the embedding" if r.train_last is None else f"last {r.train_last} block(s)"
     return trained if r.lora is None else f"LoRA rank {r.lora.rank} ({','.join(r.lora.targets)}) in the {trained}"
 
 
 def plan_heading(plan: MemoryPlan) -> list[str]:
-    """The plan's first lines: the recipe it was made for, and the parameters counted."""
-    r, c = plan.recipe, plan.counts
+    """The plan's first lines: the inputs it was made for, and the parameters counted."""
+    r, c = plan.inputs, plan.counts
     dtype = str(r.param_dtype).removeprefix("torch.")
     ckpt = ", gradient checkpointing" if r.gradient_checkpointing else ""
     adapters = c.total - c.backbone - c.head
@@ -81,7 +81,7 @@ def plan_heading(plan: MemoryPlan) -> list[str]:
 
 def format_plan(plan: MemoryPlan, gpu: tuple[str, int] | None = None) -> str:
     """A readable table: each part, the phases, the peak, and whether it fits `gpu` (name, bytes)."""
-    r, c = plan.recipe, plan.counts
+    r, c = plan.inputs, plan.counts
     s = r.param_dtype.itemsize
     dtype = str(r.param_dtype).removeprefix("torch.")
     state = f"AdamW moments in {dtype}" if r.optimizer_state == "param" or s == FP32 else "float32 master + moments"
@@ -133,7 +133,7 @@ def format_plan(plan: MemoryPlan, gpu: tuple[str, int] | None = None) -> str:
     return "\n".join(lines + verdict_lines(plan, gpu))
 
 
-def gradients_note(r: Recipe, share: str) -> str:
+def gradients_note(r: PlanInputs, share: str) -> str:
     if r.shard:
         return f"this process's rows{share}, reduce-scattered in float32"
     if r.world_size > 1:
@@ -144,22 +144,22 @@ def gradients_note(r: Recipe, share: str) -> str:
 def verdict_lines(plan: MemoryPlan, gpu: tuple[str, int] | None) -> list[str]:
     """Whether the plan fits `gpu` (name, bytes); if not, what does not and what would (see advise)."""
     if gpu is None:
-        if plan.recipe.device_type == "cpu":
+        if plan.inputs.device_type == "cpu":
             return ["  planned for the CPU (--device cpu): not checked against its memory"]
-        dtype = str(plan.recipe.param_dtype).removeprefix("torch.")
+        dtype = str(plan.inputs.param_dtype).removeprefix("torch.")
         check = "give --gpu-memory GiB to check a card"
         return [f"  not checked: no GPU here and no --gpu-memory; planned for a {dtype} GPU ({check})"]
     name, total = gpu
     verdict = "FITS" if plan.fits(total) else "DOES NOT FIT"
     spare = (total - plan.required()) / GiB
     lines = [f"  {verdict} on {name} ({total / GiB:.1f} GiB): {spare:+.1f} GiB to spare"]
-    if plan.recipe.shard:
-        lines.append(fewest_line(plan.recipe, total))
+    if plan.inputs.shard:
+        lines.append(fewest_line(plan.inputs, total))
     return lines if plan.fits(total) else lines + advice_lines(advise(plan, total))
 
 
-def fewest_line(r: Recipe, gpu_bytes: int) -> str:
-    """Sharded: the smallest world size at which this recipe fits `gpu_bytes` a process, and what each then needs."""
+def fewest_line(r: PlanInputs, gpu_bytes: int) -> str:
+    """Sharded: the smallest world size at which a run of `r` fits `gpu_bytes` a process, and what each then needs."""
     n = smallest_world(r, gpu_bytes)
     if n is None:
         return f"  sharded, it fits {in_gib(gpu_bytes)} on no world size up to 1024 processes"
@@ -168,7 +168,7 @@ def fewest_line(r: Recipe, gpu_bytes: int) -> str:
     return f"  smallest world size that fits, sharded{group}: {n} processes (GPUs), {in_gib(each)} each"
 
 
-def refuse_unfit_replica(r: Recipe, gpu: tuple[str, int], model_ref: str) -> None:
+def refuse_unfit_replica(r: PlanInputs, gpu: tuple[str, int], model_ref: str) -> None:
     """Before a DDP run loads anything: when a whole replica's weights, optimizer state and gradients cannot fit
     the GPU, stop with one line naming --shard (and the fewest GPUs it fits on), instead of running out of memory
     minutes later. Activations depend on the texts' length, not yet known here: those are left to --plan."""
@@ -257,7 +257,7 @@ def plan_command(args, cfg: LlamaConfig, train_last: int | None, lora: LoRASetti
     notes = []
     if args.max_length is None:
         notes.append("no --max-length given: planned for 512 tokens a text (a batch holds at most batch size x that)")
-    recipe = Recipe(
+    inputs = PlanInputs(
         cfg=cfg,
         batch_size=args.batch_size,
         seq_len=args.max_length or 512,
@@ -273,10 +273,10 @@ def plan_command(args, cfg: LlamaConfig, train_last: int | None, lora: LoRASetti
         device_type="cuda" if on_gpu else "cpu",
         lora=lora,
     )
-    plan = plan_memory(recipe)
+    plan = plan_memory(inputs)
     cache = getattr(args, "cache_frozen", "off")  # the frozen-prefix cache (prefix_cache.py)
-    if cache != "off" and recipe.train_last is not None and recipe.train_last < recipe.cfg.n_layers:
-        per_token = recipe.cfg.dim * dtype.itemsize
+    if cache != "off" and inputs.train_last is not None and inputs.train_last < inputs.cfg.n_layers:
+        per_token = inputs.cfg.dim * dtype.itemsize
         notes.append(
             f"--cache-frozen {cache} adds {per_token / 1024:.0f} KiB per token of the data set, kept on the device; "
             "the frozen forward then runs once, up front"

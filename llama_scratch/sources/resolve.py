@@ -18,7 +18,7 @@ import torch
 from huggingface_hub import hf_hub_download
 
 from ..checkpoints.gguf import convert_gguf
-from ..checkpoints.hf_layout import RUN_MARKER, RUN_RECORD, is_run_folder
+from ..checkpoints.run_record import RECORD_FILE, RUN_MARKER, is_run_folder
 from ..checkpoints.weights import load_weights
 from ..model.config import PRESETS, LlamaConfig, parse_dtype
 from ..model.counts import count_parameters
@@ -74,7 +74,7 @@ def refuse_run_folder(path: Path) -> None:
     flag read it, rather than "no config.json" about a folder the user knows holds a model."""
     if is_run_folder(path):
         raise ValueError(
-            f"{path} is a fine-tuning run's folder (it holds {RUN_RECORD} or {RUN_MARKER}), not a model checkpoint: "
+            f"{path} is a fine-tuning run's folder (it holds {RECORD_FILE} or {RUN_MARKER}), not a model checkpoint: "
             f"a run is read by `classify --checkpoint {path}` (or `export_hf --checkpoint {path}`)"
         )
 

@@ -11,7 +11,7 @@ from torch import nn
 from tqdm.auto import tqdm
 
 from ..data.batching import (
-    Split,
+    TokenizedSplit,
     forward,
     length_sorted_batches,
     to_batch,
@@ -26,14 +26,14 @@ class EvalSettings(Protocol):
     padding_side: str
 
 
-def evaluate(model: nn.Module, split: Split, s: EvalSettings, strategy: Strategy, desc: str) -> dict:
+def evaluate(model: nn.Module, split: TokenizedSplit, s: EvalSettings, strategy: Strategy, desc: str) -> dict:
     """See `_evaluate`; without gradients, in the strategy's way (inference_mode; sharded, no_grad, which FSDP2
     can free after: `Strategy.forwards_only`). `Replicated()` evaluates in one process on the CPU."""
     with strategy.forwards_only(model):
         return _evaluate(model, split, s, strategy, desc)
 
 
-def _evaluate(model: nn.Module, split: Split, s: EvalSettings, strategy: Strategy, desc: str) -> dict:
+def _evaluate(model: nn.Module, split: TokenizedSplit, s: EvalSettings, strategy: Strategy, desc: str) -> dict:
     """Loss, accuracy and confusion matrix over a whole split, shared out across processes.
 
     Each process takes every N-th row (no padding rows, unlike `DistributedSampler`), so summing the counts

@@ -19,7 +19,7 @@ from torch.utils.data import DistributedSampler
 from tqdm.auto import tqdm
 
 from ..checkpoints import resume
-from ..data.batching import Split, forward, to_batch
+from ..data.batching import TokenizedSplit, forward, to_batch
 from ..parallel.strategy import Processes, Replicated, Strategy, optimizer_kernels, unwrap
 from .evaluation import evaluate
 from .interrupts import interrupts_deferred
@@ -228,7 +228,7 @@ RESUME_DIR = "resume.sharded"  # under --shard: one part per process (sharding.w
 
 
 def train_step(
-    model: nn.Module, split: Split, step_rows: list[list[int]], s: TrainSettings, strategy: Strategy
+    model: nn.Module, split: TokenizedSplit, step_rows: list[list[int]], s: TrainSettings, strategy: Strategy
 ) -> tuple[torch.Tensor, int]:
     """Forward and backward over one optimizer step's micro-batches, gradients accumulating.
 
@@ -318,7 +318,7 @@ class Loop:
         self.strategy.save_point(self.resume_path, lambda file: save_resume_point(file, *parts))
 
 
-def train_epoch(loop: Loop, split: Split, state: TrainState) -> bool:
+def train_epoch(loop: Loop, split: TokenizedSplit, state: TrainState) -> bool:
     """One epoch's optimizer steps from where `state` stands; True when it ran to its end (not the step limit)."""
     s, strategy = loop.s, loop.strategy
     batches = epoch_batches(len(split.ids), state.epoch, s, strategy.processes)
@@ -373,7 +373,7 @@ def more_to_do(state: TrainState, s: TrainSettings, total: int) -> bool:
 
 def train(
     model: nn.Module,
-    splits: dict[str, Split],
+    splits: dict[str, TokenizedSplit],
     s: TrainSettings,
     strategy: Strategy,
     out_dir: Path,

@@ -13,7 +13,7 @@ from collections.abc import Iterable
 import torch
 from tqdm.auto import tqdm
 
-from ..data.batching import Split, collate, length_sorted_batches
+from ..data.batching import TokenizedSplit, collate, length_sorted_batches
 from ..model.classifier import LlamaClassifier
 from ..model.packing import pack_ids
 from ..parallel.strategy import Replicated, Strategy
@@ -107,7 +107,9 @@ def use_cache(choice: str, clf: LlamaClassifier, ids: dict[str, list[list[int]]]
     return True
 
 
-def cache_splits(clf: LlamaClassifier, splits: dict[str, Split], rows: int, strategy: Strategy) -> dict[str, Split]:
+def cache_splits(
+    clf: LlamaClassifier, splits: dict[str, TokenizedSplit], rows: int, strategy: Strategy
+) -> dict[str, TokenizedSplit]:
     """The same splits, each text carrying its frozen-prefix output (the training loop then runs only the rest).
 
     Every distinct text runs once, whichever splits hold it, and its copies share one tensor: labelled data often
@@ -117,5 +119,6 @@ def cache_splits(clf: LlamaClassifier, splits: dict[str, Split], rows: int, stra
     pad_id = next(iter(splits.values())).pad_id
     states = compute_frozen_states(clf, [list(ids) for ids in distinct], pad_id, rows, strategy=strategy, packed=True)
     return {
-        k: Split(v.ids, v.labels, [states[distinct[tuple(ids)]] for ids in v.ids], v.pad_id) for k, v in splits.items()
+        k: TokenizedSplit(v.ids, v.labels, [states[distinct[tuple(ids)]] for ids in v.ids], v.pad_id)
+        for k, v in splits.items()
     }

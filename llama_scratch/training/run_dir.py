@@ -13,6 +13,7 @@ the weights and `classifier.json` share it, so files of two runs are never taken
 from __future__ import annotations
 
 import csv
+import dataclasses
 import io
 import json
 import os
@@ -24,22 +25,21 @@ import uuid
 from pathlib import Path
 
 from ..checkpoints.atomic import write_atomic, write_text_atomic
-from ..checkpoints.hf_layout import RUN_MARKER
+from ..checkpoints.run_record import RECORD_FILE, RUN_MARKER, WEIGHTS_FILE, RunRecord, write_record
 from ..parallel.strategy import Strategy, is_resume_dir
 from .loop import RESUME_DIR, RESUME_FILE
 
 RUNS_DIR = Path("runs")  # where runs go when --output is not given
 BEST_FILE = "best.safetensors"  # the best trained weights so far, while the run trains
 FLAGS_FILE = "run_flags.json"  # the flags the run was started with: `--resume --output RUN` needs no others
-RESULT_WEIGHTS = "classifier.safetensors"
 WORK_FILES = (RESUME_FILE, BEST_FILE, RESUME_DIR, FLAGS_FILE)
 RESULT_FILES = (
-    RESULT_WEIGHTS,
+    WEIGHTS_FILE,
     "history.csv",
     "history.png",
     "confusion.png",
     "metrics.json",
-    "classifier.json",
+    RECORD_FILE,
 )
 MARKER = RUN_MARKER  # written when a run starts: only a directory holding it is ours to clear
 _OUR_TEMP = re.compile(rf"\.({'|'.join(map(re.escape, WORK_FILES + RESULT_FILES))})\.\d+\.tmp")  # write_atomic's
@@ -95,7 +95,7 @@ def check_output(out: Path, resume: bool, overwrite: bool) -> str:
         if not (resume or overwrite):
             raise OutputError(f"{out} holds an unfinished run: pass --resume to continue it or --overwrite to restart")
         return "unfinished"
-    if "classifier.json" in names:
+    if RECORD_FILE in names:
         if not overwrite:
             hint = "; it has nothing left to resume" if resume else ""
             raise OutputError(
@@ -182,16 +182,6 @@ def point_latest(out: Path) -> None:
         tmp.unlink(missing_ok=True)
 
 
-def base_model_record(model_ref: str, repo_id: str | None, out: Path) -> dict:
-    """Where classify finds the base model again: the path as given (absolute), the path relative to the run (a
-    run moved together with its weights still works), and the Hub repo id it came from, if any."""
-    path = Path(model_ref)
-    if not path.exists():  # a preset: nothing on disk
-        return {"base_model": model_ref}
-    record = {"base_model": str(path.resolve()), "base_model_relative": os.path.relpath(path.resolve(), out.resolve())}
-    return record | ({"base_model_repo": repo_id} if repo_id else {})
-
-
 def history_csv(rows: list[dict]) -> str:
     buf = io.StringIO()
     if rows:
@@ -254,15 +244,16 @@ def plot_confusion(confusion: list[list[int]], names: list[str], path: Path) -> 
     plt.close(fig)
 
 
-def write_results(out: Path, run_id: str, metrics: dict, meta: dict, history: list[dict]) -> None:
+def write_results(out: Path, run_id: str, metrics: dict, record: RunRecord, history: list[dict]) -> None:
     """The results as a set, after classifier.safetensors (written by every process: a sharded model is gathered),
-    classifier.json (what classify reads first) last, all tied by one run id; then the run's working files go."""
-    metrics["run_id"] = meta["run_id"] = run_id
+    classifier.json (the run record, what classify reads first) last, all tied by one run id; then the run's working
+    files go."""
+    metrics["run_id"] = run_id
     write_text_atomic(out / "history.csv", history_csv(history))
     plot_history(history, out / "history.png", metrics.get("best_epoch"))
     plot_confusion(metrics["test_confusion"], metrics["label_names"], out / "confusion.png")
     write_text_atomic(out / "metrics.json", json.dumps(metrics, indent=2) + "\n")
-    write_text_atomic(out / "classifier.json", json.dumps(meta, indent=2) + "\n")
+    write_record(out, dataclasses.replace(record, run_id=run_id))
     for name in (BEST_FILE, FLAGS_FILE, RESUME_FILE, RESUME_DIR):  # spent; the resume point last: a crash here
         # reads "unfinished"
         remove_ours(out / name)

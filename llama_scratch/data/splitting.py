@@ -1,7 +1,8 @@
-"""Train, validation and test splits, and the choices that make accuracies comparable (or not).
+"""Cutting labelled texts into train, validation and test splits, and the choices that make accuracies comparable
+(or not). Each split is `LabelledTexts` still; `batching.TokenizedSplit` is one after the tokenizer.
 
-Four protocols (`split_dataset`): the book's balanced split, the same without repeated texts, a stratified split
-that keeps every row, and a plain shuffled cut. Randomness comes only from the seed.
+Four protocols (`split_dataset`, chosen by `--split`): the book's balanced split, the same without repeated texts,
+a stratified split that keeps every row, and a plain shuffled cut. Randomness comes only from the seed.
 """
 
 from __future__ import annotations
