@@ -20,12 +20,7 @@ from safetensors.torch import load_file
 from .checkpoints.atomic import write_text_atomic
 from .checkpoints.run_record import WEIGHTS_FILE, read_run
 from .checkpoints.weights import CheckpointError, copy_named_tensors
-from .data.batching import (
-    TokenizedSplit,
-    forward,
-    length_sorted_batches,
-    to_batch,
-)
+from .data.batching import TokenizedSplit, forward, length_sorted_batches, to_batch
 from .data.inputs import Inputs, read_inputs
 from .data.labelled import DataError
 from .model.classifier import LlamaClassifier

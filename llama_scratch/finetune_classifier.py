@@ -30,12 +30,7 @@ from .model.lora import TARGETS, LoRASettings
 from .model.tokenizer import Tokenizer
 from .parallel.strategy import Processes, Strategy, choose_strategy, teardown
 from .planning.memory import PlanInputs
-from .planning.report import (
-    detect_gpu,
-    plan_command,
-    plans_from_scratch,
-    refuse_unfit_replica,
-)
+from .planning.report import detect_gpu, plan_command, plans_from_scratch, refuse_unfit_replica
 from .sources.devices import choose_dtype, make_deterministic
 from .sources.fetch import DownloadError
 from .sources.resolve import (

@@ -23,12 +23,7 @@ from .model.llama import KVCache, Llama
 from .model.tokenizer import Tokenizer
 from .sources.devices import choose_dtype, resolve_device
 from .sources.fetch import DownloadError
-from .sources.resolve import (
-    default_model,
-    load_model,
-    local_checkpoint,
-    resolve_tokenizer,
-)
+from .sources.resolve import default_model, load_model, local_checkpoint, resolve_tokenizer
 
 
 def pick_token(

@@ -29,12 +29,7 @@ from llama_scratch import Llama, LlamaConfig, Tokenizer
 from llama_scratch.checkpoints.gguf import GGUFError, convert_gguf, unpermute_rows
 from llama_scratch.checkpoints.gguf_check import check_gguf
 from llama_scratch.convert_gguf import main as convert_main
-from llama_scratch.model.bpe import (
-    PRE_TOKENIZERS,
-    default_system_prompt,
-    hf_tokenizer_files,
-    token_spelling,
-)
+from llama_scratch.model.bpe import PRE_TOKENIZERS, default_system_prompt, hf_tokenizer_files, token_spelling
 from llama_scratch.model.config import RopeScaling
 from llama_scratch.model.tokenizer import default_model_path, llama3_special_tokens, read_tiktoken_bpe
 from llama_scratch.sources.resolve import load_model

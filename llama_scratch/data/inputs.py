@@ -19,19 +19,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from .formats import (
-    UNDECODABLE,
-    decode,
-    jsonl_objects,
-    table_rows,
-)
-from .labelled import (
-    MAX_LABEL_DIGITS,
-    DataError,
-    TableColumns,
-    find_columns,
-    json_keys,
-)
+from .formats import UNDECODABLE, decode, jsonl_objects, table_rows
+from .labelled import MAX_LABEL_DIGITS, DataError, TableColumns, find_columns, json_keys
 
 INTEGER = re.compile(r"[+-]?\d+")
 

@@ -12,12 +12,7 @@ from pathlib import Path
 
 import numpy as np
 
-from .labelled import (
-    BUNDLED,
-    DataError,
-    DataWarning,
-    LabelledTexts,
-)
+from .labelled import BUNDLED, DataError, DataWarning, LabelledTexts
 
 PROTOCOLS = ("book", "dedup", "stratified", "full")
 

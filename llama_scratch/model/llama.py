@@ -18,12 +18,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from .config import LlamaConfig, RopeScaling
-from .packing import (
-    Packed,
-    Rows,
-    at_rows,
-    visible_keys,
-)
+from .packing import Packed, Rows, at_rows, visible_keys
 
 
 class RMSNorm(nn.Module):

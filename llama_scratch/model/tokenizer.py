@@ -20,12 +20,7 @@ from pathlib import Path
 
 import tiktoken
 
-from .bpe import (
-    LLAMA3_PATTERN,
-    TokenizerParts,
-    parts_from_hf,
-    parts_from_hf_json,
-)
+from .bpe import LLAMA3_PATTERN, TokenizerParts, parts_from_hf, parts_from_hf_json
 
 # The named special tokens in id order from 128000; ids 128002, 128003 and 128012-128255 are reserved.
 _LLAMA3_NAMED = [

@@ -34,13 +34,7 @@ from torch import nn
 from tqdm.auto import tqdm
 
 from ..checkpoints.atomic import write_text_atomic
-from ..checkpoints.hf_layout import (
-    TensorInfo,
-    TensorToWrite,
-    find_checkpoint_files,
-    read_into,
-    write_safetensors,
-)
+from ..checkpoints.hf_layout import TensorInfo, TensorToWrite, find_checkpoint_files, read_into, write_safetensors
 from ..checkpoints.resume import ResumeError
 from ..checkpoints.weights import CheckpointError, LoadReport, match_tensors
 from ..model.classifier import LlamaClassifier, new_head

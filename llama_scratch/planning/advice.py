@@ -12,14 +12,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .memory import (
-    FP32,
-    GiB,
-    MemoryPlan,
-    PlanInputs,
-    plan_memory,
-    with_margin,
-)
+from .memory import FP32, GiB, MemoryPlan, PlanInputs, plan_memory, with_margin
 
 STAGES = ("weights", "weights, state and gradients", "activations", "fits")  # in the order memory fills
 

@@ -17,23 +17,8 @@ import torch
 
 from ..model.config import PRESETS, LlamaConfig, parse_dtype
 from ..model.lora import LoRASettings
-from .advice import (
-    STAGES,
-    advice_lines,
-    advise,
-    in_gib,
-    misfit,
-    replan,
-    smallest_world,
-)
-from .memory import (
-    FP32,
-    GiB,
-    MemoryPlan,
-    PlanInputs,
-    plan_memory,
-    with_margin,
-)
+from .advice import STAGES, advice_lines, advise, in_gib, misfit, replan, smallest_world
+from .memory import FP32, GiB, MemoryPlan, PlanInputs, plan_memory, with_margin
 
 SCRATCH_PRESETS = ("tiny",)  # presets with no published checkpoint: only ever trained from random weights
 

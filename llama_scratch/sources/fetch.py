@@ -31,12 +31,7 @@ from huggingface_hub import constants, errors, get_token, snapshot_download
 
 from ..checkpoints.atomic import write_atomic
 from ..checkpoints.gguf import convert_gguf
-from ..checkpoints.hf_layout import (
-    ALLOW_PATTERNS,
-    check_target,
-    replace_checkpoint,
-    written_by_us,
-)
+from ..checkpoints.hf_layout import ALLOW_PATTERNS, check_target, replace_checkpoint, written_by_us
 
 
 class DownloadError(RuntimeError):

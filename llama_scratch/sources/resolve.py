@@ -25,13 +25,7 @@ from ..model.counts import count_parameters
 from ..model.llama import Llama
 from ..model.tokenizer import Tokenizer
 from .devices import memory_budget
-from .fetch import (
-    DownloadError,
-    default_dir,
-    fetch,
-    fetch_smollm2,
-    looks_like_path,
-)
+from .fetch import DownloadError, default_dir, fetch, fetch_smollm2, looks_like_path
 
 WEIGHTS_DIR = Path("weights")
 

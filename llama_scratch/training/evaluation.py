@@ -10,12 +10,7 @@ import torch.nn.functional as F
 from torch import nn
 from tqdm.auto import tqdm
 
-from ..data.batching import (
-    TokenizedSplit,
-    forward,
-    length_sorted_batches,
-    to_batch,
-)
+from ..data.batching import TokenizedSplit, forward, length_sorted_batches, to_batch
 from ..parallel.strategy import Strategy, unwrap
 
 
