@@ -166,8 +166,8 @@ def test_plan_command_prints_without_loading_anything(monkeypatch, capsys):
         raise AssertionError("--plan must not load data or weights")
 
     monkeypatch.setattr(command, "load_dataset", refuse)
-    monkeypatch.setattr(command, "load_model", refuse)
-    monkeypatch.setattr(command.distributed, "setup", refuse)
+    monkeypatch.setattr(command, "build_classifier", refuse)  # loads the weights (the strategy's way)
+    monkeypatch.setattr(command, "choose_strategy", refuse)  # joins the processes, chooses the device
     argv = ["--model", "llama3-8b", "--train-last", "1", "--batch-size", "8", "--max-length", "128", "--plan"]
     assert command.main([*argv, "--gpu-memory", "80"]) == 0
     out = capsys.readouterr().out
