@@ -1,10 +1,47 @@
 import csv
+import os
 from pathlib import Path
 
 import pytest
 import torch
 
 from llama_scratch.data.labelled import load_sms_spam
+
+# `pytest -m gpu` runs tests/test_gpu.py on CUDA. Without a GPU they are skipped, unless this variable is "cpu": then
+# they run on the CPU in float32, so their logic can be checked on any machine (CI, a laptop). Only the test that needs
+# two CUDA devices still skips there.
+GPU_OVERRIDE = "LLAMA_SCRATCH_TEST_GPU"
+
+
+def gpu_override() -> str | None:
+    """The value of LLAMA_SCRATCH_TEST_GPU: None (unset or empty) or "cpu"; anything else is a usage error."""
+    value = os.environ.get(GPU_OVERRIDE) or None
+    if value not in (None, "cpu"):
+        raise pytest.UsageError(f"{GPU_OVERRIDE}={value!r}: the only value it takes is 'cpu' (or leave it unset)")
+    return value
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Skip the `gpu` tests where there is no CUDA device and no CPU override: reported as skipped, never failed."""
+    if gpu_override() or torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason=f"needs a CUDA GPU ({GPU_OVERRIDE}=cpu runs it on the CPU)")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
+
+
+@pytest.fixture(scope="session")
+def gpu_device() -> torch.device:
+    """The device the `gpu` tests run on: cuda:0, or the CPU under LLAMA_SCRATCH_TEST_GPU=cpu."""
+    return torch.device("cpu") if gpu_override() else torch.device("cuda", 0)
+
+
+@pytest.fixture(scope="session")
+def gpu_dtype(gpu_device: torch.device) -> torch.dtype:
+    """What a run computes in there: bfloat16 on the GPU (what --dtype auto picks), float32 on the CPU override (no
+    native bfloat16 on the CPUs we test on)."""
+    return torch.bfloat16 if gpu_device.type == "cuda" else torch.float32
 
 
 @pytest.fixture(autouse=True)
