@@ -10,6 +10,8 @@ PACKAGE = Path(__file__).resolve().parent.parent / "llama_scratch"
 # Optional packages, and FSDP's (about a second of start-up that runs which shard nothing skip: sharding.py).
 DEFERRED = {"matplotlib", "matplotlib.pyplot", "pyarrow.parquet"}
 DEFERRED |= {"torch.distributed.device_mesh", "torch.distributed.fsdp", "torch.distributed.tensor"}
+# gguf: only converting a GGUF file needs it; a machine without it (the lent GPU) still imports everything else.
+DEFERRED |= {"gguf", "gguf.constants"}
 
 
 def module_name(path: Path) -> str:
