@@ -197,11 +197,12 @@ def attention_backends(run: Callable[[], object], device: torch.device) -> dict:
             if device.type == "cuda":
                 torch.cuda.synchronize(device)
         events = prof.events()
-    except RuntimeError as e:  # CUPTI missing or busy: the step itself has run, only the evidence is lost
+    except torch.OutOfMemoryError:  # the step's own failure, not the profiler's
+        raise
+    except RuntimeError as e:  # CUPTI missing or busy: the evidence is lost, not the run (the caller checks it ran)
         return {"backend": "unknown", "calls": {}, "kernels": [], "error": f"profiler: {e}"}
     calls = Counter(SDPA_OPS[e.name] for e in events if e.name in SDPA_OPS)
-    kernels = sorted(
-        {e.name for e in events if not e.name.startswith("aten::") and any(w in e.name.lower() for w in _KERNEL_WORDS)}
-    )
+    on_device = [e.name for e in events if e.device_type == torch.autograd.DeviceType.CUDA]  # kernels, not ops
+    kernels = sorted({name for name in on_device if any(w in name.lower() for w in _KERNEL_WORDS)})
     backend = "+".join(name for name, _ in calls.most_common()) or "none seen"
     return {"backend": backend, "calls": dict(calls), "kernels": [k[:120] for k in kernels[:8]], "error": None}
