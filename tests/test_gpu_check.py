@@ -2,11 +2,14 @@
 subprocess, so the script cannot rot between the rare runs on a GPU. gguf and llama-models are blocked, as the GPU
 machine lacks them."""
 
+import dataclasses
 import json
 import math
 import subprocess
 import sys
 from pathlib import Path
+
+import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "benchmarks"))
@@ -44,3 +47,13 @@ def test_quick_cpu_mode_reports_every_recipe(tmp_path):
     assert set(result["summary"]["ran"]) == set(cached) and not result["summary"]["failed"]
     table = (out / "gpu_check.md").read_text()
     assert table in proc.stdout and all(f"| {name} |" in table for name in cached)
+
+
+def test_step_flops_is_model_flops_text_by_text():
+    """The quadratic through three lengths gives model_flops at every length; the cache counts trained blocks only."""
+    cfg, lengths = gpu_check.QUICK, [1, 2, 9, 50, 385]
+    direct = sum(gpu_check.model_flops(cfg, None, 1, n, lora=False)["done"] for n in lengths)
+    assert gpu_check.step_flops(cfg, None, False, False, lengths) == pytest.approx(direct, rel=1e-9)
+    top = dataclasses.replace(cfg, n_layers=2)
+    direct = sum(gpu_check.model_flops(top, 2, 1, n, lora=True)["done"] for n in lengths)
+    assert gpu_check.step_flops(cfg, 2, True, True, lengths) == pytest.approx(direct, rel=1e-9)
