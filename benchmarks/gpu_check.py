@@ -432,6 +432,8 @@ def check(args: argparse.Namespace, argv: list[str] | None) -> int:
     args.out.mkdir(parents=True, exist_ok=True)
     strategy, result = start(args, argv)
     device = strategy.device
+    if device.type != "cuda" and not args.quick:
+        raise SystemExit(f"gpu_check: {device} has no GPU: pass --quick for the tiny shapes (8B would take hours)")
     recipes = [r for r in RECIPES if not args.recipes or r.name in args.recipes]
     shapes = {r.shape: SHAPES[r.shape][1 if args.quick else 0] for r in recipes}
     result |= {"load_peak_ratio": None, "load_seconds": None, "load_checkpoint_gib": None, "recipes": []}
@@ -452,7 +454,7 @@ def check(args: argparse.Namespace, argv: list[str] | None) -> int:
         except Exception as e:  # out of memory or anything else: reported, and the next recipe runs
             entry["error"] = f"{type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ''}"[:300]
             entry["traceback"] = traceback.format_exc()[-3000:]
-            print(entry["traceback"], file=sys.stderr, flush=True)
+            print(entry["traceback"][-1500:], file=sys.stderr, flush=True)  # the device returns 12,000 characters
         free(device)
         result["recipes"].append(entry)
         write_json(result, args.out)
