@@ -1,4 +1,5 @@
-"""Helpers shared by the benchmarks: process memory, the page cache, watched subprocesses, random checkpoints."""
+"""Helpers shared by the benchmarks: process memory, the page cache, watched subprocesses, random checkpoints, and
+which attention kernel ran."""
 
 from __future__ import annotations
 
@@ -8,6 +9,8 @@ import subprocess
 import sys
 import threading
 import time
+from collections import Counter
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -161,3 +164,45 @@ def checkpoint_files(ckpt: Path) -> list[Path]:
 
 def python_cmd(script: str | Path, *args: str) -> list[str]:
     return [sys.executable, str(script), *args]
+
+
+# The operators scaled_dot_product_attention dispatches to, one per backend (what torch.profiler names them).
+SDPA_OPS = {
+    "aten::_scaled_dot_product_flash_attention": "flash",
+    "aten::_scaled_dot_product_flash_attention_for_cpu": "flash-cpu",
+    "aten::_scaled_dot_product_efficient_attention": "efficient",
+    "aten::_scaled_dot_product_cudnn_attention": "cudnn",
+    "aten::_scaled_dot_product_attention_math": "math",
+    "aten::_scaled_dot_product_fused_attention_overrideable": "overrideable",
+}
+# Words in the names of CUDA attention kernels (flash's, cutlass's memory-efficient "fmha", cuDNN's), as evidence.
+_KERNEL_WORDS = ("flash", "fmha", "cudnn", "attention", "sdpa")
+
+
+def attention_backends(run: Callable[[], object], device: torch.device) -> dict:
+    """Which backend scaled_dot_product_attention really used while `run()` ran (one training step, say).
+
+    Asked of the profiler, not of the `torch.backends.cuda.*_sdp_enabled()` switches, which say what is allowed, not
+    what a call's shapes, dtype and mask got: each backend is its own operator, so the operators that ran tell. A
+    run can use several (the classifier's last block passes a mask, the blocks below it none): "backend" joins them
+    by "+", most calls first; "calls" counts forward calls per backend; "kernels" lists the CUDA kernels whose names
+    look like attention's, for the record. A profiler that fails leaves backend "unknown" and the error.
+    """
+    activities = [torch.profiler.ProfilerActivity.CPU]
+    if device.type == "cuda":
+        activities.append(torch.profiler.ProfilerActivity.CUDA)
+    try:
+        with torch.profiler.profile(activities=activities) as prof:
+            run()
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+        events = prof.events()
+    except torch.OutOfMemoryError:  # the step's own failure, not the profiler's
+        raise
+    except RuntimeError as e:  # CUPTI missing or busy: the evidence is lost, not the run (the caller checks it ran)
+        return {"backend": "unknown", "calls": {}, "kernels": [], "error": f"profiler: {e}"}
+    calls = Counter(SDPA_OPS[e.name] for e in events if e.name in SDPA_OPS)
+    on_device = [e.name for e in events if e.device_type == torch.autograd.DeviceType.CUDA]  # kernels, not ops
+    kernels = sorted({name for name in on_device if any(w in name.lower() for w in _KERNEL_WORDS)})
+    backend = "+".join(name for name, _ in calls.most_common()) or "none seen"
+    return {"backend": backend, "calls": dict(calls), "kernels": [k[:120] for k in kernels[:8]], "error": None}

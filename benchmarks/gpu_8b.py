@@ -9,7 +9,8 @@
 2. (a) `load_weights` streams it onto the device; its peak memory / checkpoint bytes (GPU: max_memory_allocated).
 3. (b, c) Each recipe (train the last block; the last 4; all of them with gradient checkpointing) at each sequence
    length trains on random tokens exactly as train.py does (classifier, cross-entropy, clip, AdamW step). Reported:
-   tokens/s and model FLOPs utilisation, and the peak memory of the steps next to `plan_memory`'s figure.
+   tokens/s and model FLOPs utilisation, the peak memory of the steps next to `plan_memory`'s figure, and the
+   attention backend one more untimed step used (common.attention_backends).
 
 FLOPs per step: 6 x trained parameters x tokens (forward and backward) + 2 x frozen parameters x tokens (forward
 only) + causal attention (QK^T and PV over T(T+1)/2 pairs per head: once for frozen blocks, three times for trained
@@ -43,7 +44,7 @@ from torch.utils._pytree import tree_flatten
 # Runnable from a fresh clone as `python benchmarks/gpu_8b.py`: this folder (for common.py) and the repository
 # (for llama_scratch, installed or not) are importable.
 sys.path[:0] = [str(Path(__file__).resolve().parent), str(Path(__file__).resolve().parents[1])]
-from common import write_random_checkpoint  # noqa: E402
+from common import attention_backends, write_random_checkpoint  # noqa: E402
 
 from llama_scratch import Llama, LlamaClassifier, LlamaConfig  # noqa: E402
 from llama_scratch.checkpoints.weights import load_weights, save_checkpoint  # noqa: E402
@@ -195,12 +196,16 @@ def measure_load(cfg: LlamaConfig, ckpt: Path, device: torch.device) -> tuple[Ll
     }
 
 
-def model_flops(cfg: LlamaConfig, train_last: int | None, batch: int, seq: int, num_classes: int = 2) -> dict:
+def model_flops(
+    cfg: LlamaConfig, train_last: int | None, batch: int, seq: int, num_classes: int = 2, lora: bool = False
+) -> dict:
     """FLOPs of one training step, two ways (see the module docstring).
 
     "done": what the classifier computes. Its last block runs at each row's last token (`query_rows`), so only that
     block's norm, k_proj and v_proj see every token. "6PT": the usual convention, every block at
     every token; on this classifier it counts work that is never done, so it overstates MFU.
+    `lora`: the trained blocks' weights are frozen under adapters, so their backward computes the input's gradient
+    only: 4 FLOPs a weight a token instead of 6 (the rank-r adapters' own, under 0.5% at rank 8, are not counted).
     """
     counts = count_parameters(cfg, train_last, num_classes)
     n, k = cfg.n_layers, cfg.n_layers if train_last is None else train_last
@@ -210,9 +215,10 @@ def model_flops(cfg: LlamaConfig, train_last: int | None, batch: int, seq: int, 
     head = 6 * (cfg.dim + counts.head) * batch  # final norm and head, at one token per row
     kv = 2 * cfg.dim * cfg.n_kv_heads * cfg.head_dim  # k_proj and v_proj
     full_trained, full_frozen = max(k - 1, 0), n - max(k, 1)
-    last = (6 if k else 2) * (kv * tokens + (block - kv) * batch) + (3 if k else 1) * one_query
-    done = (6 * block * tokens + 3 * causal) * full_trained + (2 * block * tokens + causal) * full_frozen + last + head
-    convention = 6 * k * block * tokens + 2 * (n - k) * block * tokens + causal * (3 * k + n - k) + head
+    t = 4 if lora else 6  # per weight and token in a trained block: forward 2, input gradient 2, weight gradient 2
+    last = (t if k else 2) * (kv * tokens + (block - kv) * batch) + (3 if k else 1) * one_query
+    done = (t * block * tokens + 3 * causal) * full_trained + (2 * block * tokens + causal) * full_frozen + last + head
+    convention = t * k * block * tokens + 2 * (n - k) * block * tokens + causal * (3 * k + n - k) + head
     return {"done": done, "6PT": convention}
 
 
@@ -233,6 +239,7 @@ class Run:
     peak_bytes: int = 0
     plan_bytes: int = 0
     measured_over_plan: float = 0.0
+    sdpa_backend: str | None = None  # what scaled_dot_product_attention ran (common.attention_backends)
     error: str | None = None
 
 
@@ -265,6 +272,7 @@ def run_recipe(
         with peak_memory(device, baseline=tensor_bytes(clf)) as mem:
             for _ in range(warmup):  # the first step also allocates the optimizer state
                 step()
+        run.sdpa_backend = attention_backends(step, device)["backend"]  # one more untimed step, profiled
         sync(device)
         start = time.perf_counter()
         for _ in range(steps):
@@ -310,18 +318,18 @@ def markdown(result: dict) -> str:
         else f"load_weights: {load['checkpoint_bytes'] / GiB:.2f} GiB in {load['seconds']:.1f} s; {load['note']}",
         "",
         "| recipe | seq | batch | trained params | tokens/s | model TFLOP/s | MFU | MFU 6PT | peak GiB | plan GiB "
-        "| peak/plan |",
-        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+        "| peak/plan | attention |",
+        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- |",
     ]
     for r in result["runs"]:
         head = f"| {r['recipe']} | {r['seq_len']} | {r['batch_size']} | {r['trainable_params'] / 1e6:,.1f}M |"
         if r["error"]:
-            lines.append(f"{head} {r['error']} | | | | | {r['plan_bytes'] / GiB:.2f} | |")
+            lines.append(f"{head} {r['error']} | | | | | {r['plan_bytes'] / GiB:.2f} | | |")
             continue
         mfu = " | ".join(f"{m:.1%}" if m is not None else "n/a" for m in (r["mfu"], r["mfu_6pt"]))
         lines.append(
             f"{head} {r['tokens_per_s']:,.0f} | {r['tflops']:.1f} | {mfu} | {r['peak_bytes'] / GiB:.2f} | "
-            f"{r['plan_bytes'] / GiB:.2f} | {r['measured_over_plan']:.3f} |"
+            f"{r['plan_bytes'] / GiB:.2f} | {r['measured_over_plan']:.3f} | {r['sdpa_backend']} |"
         )
     return "\n".join(lines)
 

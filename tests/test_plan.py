@@ -403,6 +403,7 @@ def test_gpu_benchmark_cpu_shape_runs(tmp_path, capsys):
     for run in result["runs"]:
         assert run["error"] is None and run["tokens_per_s"] > 0
         assert 0.85 <= run["measured_over_plan"] <= 1.02, run
+        assert run["sdpa_backend"] in ("flash-cpu", "math", "flash-cpu+math", "math+flash-cpu"), run
     assert result["load"]["checkpoint_bytes"] == count_parameters(gpu_8b.SHAPES["small"]).backbone * 4
 
 
@@ -418,6 +419,9 @@ def test_model_flops_counts_trained_frozen_and_attention():
     convention = 6 * BLOCK_8B * tokens + 2 * 31 * BLOCK_8B * tokens + causal * (3 + 31) + head
     flops = gpu_8b.model_flops(cfg, 1, b, seq)
     assert flops["done"] == pytest.approx(done, rel=1e-12) and flops["6PT"] == pytest.approx(convention, rel=1e-12)
+    # LoRA: the trained block's weights get no gradient, only its input does: 4 FLOPs a weight a token, not 6.
+    lora = gpu_8b.model_flops(cfg, 1, b, seq, lora=True)["done"]
+    assert lora == pytest.approx(done - 2 * (kv * tokens + (BLOCK_8B - kv) * b), rel=1e-12)
     assert gpu_8b.peak_tflops("NVIDIA H100 80GB HBM3") == 989.4 and gpu_8b.peak_tflops("NVIDIA H100 PCIe") == 756.0
 
 

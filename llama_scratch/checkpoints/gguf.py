@@ -19,7 +19,6 @@ import re
 from collections import Counter
 from pathlib import Path
 
-import gguf
 import numpy as np
 import torch
 from tqdm import tqdm
@@ -69,6 +68,8 @@ def open_gguf(path: str | Path):
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"GGUF file not found: {path}")
+    import gguf  # deferred: only GGUF conversion needs it; training on a machine without it must still import us
+
     try:
         check_gguf(path)
         return gguf.GGUFReader(path)
@@ -146,6 +147,8 @@ def unpermute_rows(weight: torch.Tensor, n_heads: int) -> torch.Tensor:
 
 def check_tensor_types(reader, source: str = "GGUF") -> None:
     """Fail before any work if a tensor uses a type that the gguf package cannot dequantize."""
+    import gguf  # deferred, as in open_gguf
+
     failed: dict[str, list[str]] = {}
     tried = set()
     for t in reader.tensors:
@@ -164,6 +167,8 @@ def check_tensor_types(reader, source: str = "GGUF") -> None:
 
 def dequantize(tensor) -> torch.Tensor:
     """A GGUF tensor as float32 in PyTorch's [out, in] shape (GGUF lists dimensions fastest-first)."""
+    import gguf  # deferred, as in open_gguf
+
     values = gguf.quants.dequantize(tensor.data, tensor.tensor_type)
     shape = tuple(int(n) for n in reversed(tensor.shape.tolist()))
     return torch.from_numpy(np.array(values, dtype=np.float32).reshape(shape))  # np.array copies off the mmap

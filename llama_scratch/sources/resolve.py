@@ -17,6 +17,7 @@ from pathlib import Path
 import torch
 from huggingface_hub import hf_hub_download
 
+from ..checkpoints.gguf import convert_gguf
 from ..checkpoints.run_record import RECORD_FILE, RUN_MARKER, is_run_folder
 from ..checkpoints.weights import load_weights
 from ..model.config import PRESETS, LlamaConfig, parse_dtype
@@ -49,9 +50,6 @@ def local_checkpoint(ref: str, log=print) -> str:
         origin = gguf_origin(path)
         target = converted_dir(path, origin)
         if not (target / "config.json").is_file():
-            # The gguf package is needed only when a GGUF file is converted: everything else runs without it.
-            from ..checkpoints.gguf import convert_gguf
-
             log(f"converting {path} into {target}/ (once)")
             convert_gguf(path, target, note=origin)
         return str(target)

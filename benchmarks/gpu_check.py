@@ -1,0 +1,469 @@
+"""The lent GPU's check: load memory, and the real training path's speed, syncs, attention kernel and memory.
+
+    python benchmarks/gpu_check.py --out DIR                   # on a GPU: 8B-shaped and SmolLM2-shaped checkpoints
+    python benchmarks/gpu_check.py --device cpu --quick --out DIR   # the same code on tiny shapes, in seconds
+
+Offline, from the tracked tree alone: it writes what it needs under --dir (random-weight checkpoints in Hugging Face
+layout, as gpu_8b.py writes them, each with a byte-level tokenizer: 256 byte tokens and Llama-3's specials, so every
+text is its UTF-8 bytes, about 4x the tokens Llama-3's own tokenizer makes of it).
+
+1. The streaming load (gpu_8b.measure_load) of the first recipe's checkpoint: peak max_memory_allocated over the
+   checkpoint's bytes, and seconds.
+2. Each recipe (RECIPES, one row each: finetune_classifier's own flags) runs what `finetune_classifier` runs, by its
+   own functions: the bundled SMS data read and split (`read_data`), the model chosen and loaded (`choose_model`,
+   `build_classifier`), tokenized (`tokenize`), the frozen-prefix cache (`use_cache`, `cache_splits`), the training
+   settings (`train_settings`: packed batches, the default optimizer state), then the loop's own `train_epoch`
+   stopped after a number of optimizer steps: warm-up steps (the first's loss kept, the last profiled for the
+   attention backend, common.attention_backends), then --steps timed ones (tokens/s, MFU on gpu_8b.model_flops,
+   host syncs counted by torch.cuda.set_sync_debug_mode("warn"), the last step's loss). Peak memory over all the
+   steps is set beside `plan_memory`'s for the same run. Only evaluation and the output files are left out.
+3. DIR/gpu_check.json (rewritten after each recipe, so a timeout still leaves what ran) and DIR/gpu_check.md (also
+   printed). A recipe that fails (out of memory, say) is reported with its error and the next one runs; the exit
+   status is 1 only if none ran.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import datetime
+import gc
+import io
+import json
+import math
+import os
+import sys
+import tempfile
+import time
+import traceback
+import warnings
+from pathlib import Path
+
+import torch
+
+# Runnable from a fresh clone: this folder (common.py, gpu_8b.py) and the repository are importable.
+sys.path[:0] = [str(Path(__file__).resolve().parent), str(Path(__file__).resolve().parents[1])]
+from common import GiB, attention_backends  # noqa: E402
+from gpu_8b import ensure_checkpoint, measure_load, model_flops, peak_tflops, sync  # noqa: E402
+
+from llama_scratch import LlamaConfig  # noqa: E402
+from llama_scratch.finetune_args import parse_args as finetune_args  # noqa: E402
+from llama_scratch.finetune_classifier import (  # noqa: E402
+    Job,
+    build_classifier,
+    choose_model,
+    read_data,
+    replica_plan_inputs,
+    tokenize,
+    train_settings,
+)
+from llama_scratch.parallel.strategy import Strategy, choose_strategy  # noqa: E402
+from llama_scratch.planning.memory import plan_memory  # noqa: E402
+from llama_scratch.training.loop import (  # noqa: E402
+    RESUME_FILE,
+    Loop,
+    TrainState,
+    check_enough_data,
+    epoch_batches,
+    lr_factor,
+    make_optimizer,
+    train_epoch,
+)
+from llama_scratch.training.prefix_cache import cache_bytes, cache_splits, distinct_texts, use_cache  # noqa: E402
+
+
+@dataclasses.dataclass(frozen=True)
+class Recipe:
+    """One line of the check: a model shape (a key of SHAPES) and finetune_classifier's flags for it."""
+
+    name: str
+    shape: str
+    flags: tuple[str, ...]
+
+
+RECIPES = [
+    Recipe("8b-last2", "8b", ("--train-last", "2")),
+    Recipe("8b-lora8", "8b", ("--lora", "8")),  # default targets, in the default 2 trained blocks
+    Recipe("small-all", "small", ("--train-last", "all")),
+    # A 4-bit base is one more row once finetune_classifier takes its flag, e.g.
+    # Recipe("8b-nf4-lora8", "8b", ("--lora", "8", "--quantize", "nf4")),
+]
+
+# Each shape as (on a GPU, under --quick). "small" is SmolLM2-135M's, the default job's model; --quick's stand-in
+# is a few blocks (one frozen below two trained, so the cache runs) and just the 512 ids the tokenizer makes.
+QUICK = LlamaConfig(
+    vocab_size=512, dim=64, n_layers=3, n_heads=4, n_kv_heads=2, ffn_dim=192, max_seq_len=2048, dtype=torch.float32
+)
+SMOLLM2_135M = LlamaConfig(
+    vocab_size=49_152,
+    dim=576,
+    n_layers=30,
+    n_heads=9,
+    n_kv_heads=3,
+    ffn_dim=1536,
+    rope_theta=100_000.0,
+    max_seq_len=8192,
+    tie_embeddings=True,
+    dtype=torch.bfloat16,
+)
+SHAPES = {"8b": (LlamaConfig.from_name("llama3-8b", dtype=torch.bfloat16), QUICK), "small": (SMOLLM2_135M, QUICK)}
+
+# Every recipe's entry holds these keys (null where a figure needs a GPU, or where the recipe failed).
+RECIPE_KEYS = (
+    "train_tokens_per_s",
+    "mfu",
+    "syncs_per_step",
+    "sdpa_backend",
+    "loss_first",
+    "loss_last",
+    "plan_peak_gib",
+    "measured_peak_gib",
+)
+
+STARTED = time.perf_counter()
+
+
+class NoBars(io.TextIOBase):
+    """stderr without progress bars: the package's bars (loading, caching, each epoch) would fill the last 12,000
+    characters, all the device sends back. A bar redraws itself with a carriage return; warnings and tracebacks
+    pass."""
+
+    def __init__(self, stream) -> None:
+        self.stream = stream
+
+    def write(self, text: str) -> int:
+        if "\r" not in text:
+            self.stream.write(text)
+        return len(text)
+
+    def flush(self) -> None:
+        self.stream.flush()
+
+
+def log(*parts) -> None:
+    """A progress line with the time and the seconds since start: a cut-off output tail still says what happened."""
+    stamp = f"[{time.strftime('%H:%M:%S')} +{time.perf_counter() - STARTED:6.1f}s]"
+    print(stamp, *parts, file=sys.stderr, flush=True)
+
+
+def byte_tokenizer(directory: Path) -> None:
+    """A tiktoken `tokenizer.model` of the 256 single bytes (rank = byte value): Tokenizer adds Llama-3's 256
+    special tokens after them, so ids stay below 512 and every text tokenizes, with no download."""
+    import base64
+
+    lines = [f"{base64.b64encode(bytes([b])).decode()} {b}" for b in range(256)]
+    (directory / "tokenizer.model").write_text("\n".join(lines) + "\n")
+
+
+def checkpoint_for(cfg: LlamaConfig, root: Path) -> Path:
+    """A random checkpoint of `cfg` with the byte tokenizer, reused if a complete one of that shape is there."""
+    directory = root / f"ckpt-{cfg.n_layers}x{cfg.dim}-{cfg.vocab_size}-{str(cfg.dtype).removeprefix('torch.')}"
+    ensure_checkpoint(cfg, directory)
+    byte_tokenizer(directory)
+    return directory
+
+
+def free(device: torch.device) -> None:
+    """Give back what the last recipe left: its tensors are gone with its frames, the allocator's cache is not."""
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(device)
+
+
+def step_flops(cfg: LlamaConfig, train_last: int | None, cached: bool, lora: bool, lengths: list[int]) -> float:
+    """FLOPs of training on texts of these lengths (gpu_8b.model_flops, text by text: packed, each row is its own).
+    With the frozen-prefix cache only the trained blocks run: the model counted is theirs alone.
+
+    For one row, model_flops is a quadratic in the length (weights: linear; causal attention: L (L + 1) / 2), and
+    each call counts the model's parameters on the meta device (a second for SmolLM2's 30 blocks): so three calls,
+    and the quadratic through them, exact, gives every length.
+    """
+    if cached and train_last is not None:
+        cfg = dataclasses.replace(cfg, n_layers=train_last)
+    f1, f2, f3 = (model_flops(cfg, train_last, 1, n, lora=lora)["done"] for n in (1, 2, 3))
+    return sum(f1 * (n - 2) * (n - 3) / 2 - f2 * (n - 1) * (n - 3) + f3 * (n - 1) * (n - 2) / 2 for n in lengths)
+
+
+class Steps:
+    """The shipped loop (`train_epoch`) run up to a given number of optimizer steps, as often as asked."""
+
+    def __init__(self, model, split, settings, strategy: Strategy, total: int, work: Path) -> None:
+        optimizer = make_optimizer(model, settings)
+        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: lr_factor(step, total, settings))
+        self.loop = Loop(model, optimizer, scheduler, settings, strategy, total, work / RESUME_FILE, {})
+        self.split, self.state = split, TrainState()
+        model.train()
+
+    def to(self, step: int) -> float:
+        """Train until `step` optimizer steps in all; the mean loss of the steps this call ran."""
+        before = list(self.state.epoch_sums)
+        self.loop.total = step
+        train_epoch(self.loop, self.split, self.state)
+        loss, _, rows = (a - b for a, b in zip(self.state.epoch_sums, before, strict=True))
+        return loss / rows if rows else math.nan
+
+
+def timed_steps(steps: Steps, first: int, last: int, device: torch.device) -> dict:
+    """Steps first+1..last timed, counting the host's waits for the GPU (each a warning under the debug mode)."""
+    on_gpu = device.type == "cuda"
+    tokens = steps.state.train_tokens
+    sync(device)
+    start = time.perf_counter()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        if on_gpu:
+            torch.cuda.set_sync_debug_mode("warn")
+        try:
+            if last - 1 > first:
+                steps.to(last - 1)
+            loss_last = steps.to(last)  # alone, for its own loss
+        finally:
+            if on_gpu:
+                torch.cuda.set_sync_debug_mode("default")
+    sync(device)
+    seconds = time.perf_counter() - start
+    syncs = sum("synchroniz" in str(w.message) for w in caught)
+    return {
+        "seconds": seconds,
+        "tokens": steps.state.train_tokens - tokens,
+        "loss_last": loss_last,
+        "syncs_per_step": syncs / (last - first) if on_gpu else None,
+    }
+
+
+def prepare(recipe: Recipe, ckpt: Path, args: argparse.Namespace, strategy: Strategy, work: Path):
+    """finetune_classifier's phases up to the loop, by its own functions: data, model, tokens, cache, settings."""
+    total = args.warmup + args.steps
+    flags = ["--model", str(ckpt), "--device", args.device, "--batch-size", str(args.batch_size)]
+    flags += ["--epochs", "1", "--max-steps", str(total), "--save-every", str(10**9), "--output", str(work)]
+    fargs = finetune_args([*flags, *recipe.flags])
+    data, parts, protocol = read_data(fargs, log)
+    choice = choose_model(fargs, strategy, log)
+    job = Job(fargs, strategy, time.perf_counter(), data, parts, protocol, choice, work)
+    labels = parts["train"].labels
+    settings = train_settings(fargs, choice.from_scratch, labels, data.num_classes, strategy.processes, log)
+    if (per_epoch := check_enough_data(len(labels), settings, strategy.processes)) < total:
+        raise ValueError(f"{per_epoch} optimizer steps in an epoch: --warmup + --steps must fit in one")
+    start = time.perf_counter()
+    clf, tokenizer, _ = build_classifier(job, log)
+    sync(strategy.device)
+    figures = {"load_seconds": time.perf_counter() - start}
+    splits, max_length = tokenize(parts, tokenizer, clf.backbone.cfg.max_seq_len, fargs.max_length, log)
+    start = time.perf_counter()
+    cached = use_cache(fargs.cache_frozen, clf, {k: v.ids for k, v in splits.items()}, strategy, log)
+    figures |= {"frozen_prefix_cache": cached, "cache_gib": None}
+    if cached:
+        figures["cache_gib"] = cache_bytes(list(distinct_texts(s for v in splits.values() for s in v.ids)), clf) / GiB
+        splits = cache_splits(clf, splits, settings.eval_rows, strategy)
+        sync(strategy.device)
+    figures["cache_seconds"] = time.perf_counter() - start
+    plan = plan_memory(dataclasses.replace(replica_plan_inputs(job), seq_len=max_length))
+    figures |= {"max_length": max_length, "plan_peak_gib": plan.peak / GiB, "trainable_params": plan.counts.trainable}
+    return job, clf, strategy.wrap(clf), splits["train"], settings, figures
+
+
+def run_recipe(recipe: Recipe, ckpt: Path, args: argparse.Namespace, strategy: Strategy, peak: float | None) -> dict:
+    """One recipe, start to end; its figures (see RECIPE_KEYS). Raises on failure: the caller reports it."""
+    device = strategy.device
+    with tempfile.TemporaryDirectory(prefix="gpu-check-run-") as work:
+        job, clf, model, train, settings, out = prepare(recipe, ckpt, args, strategy, Path(work))
+        free(device)  # the steps' peak is measured from here: weights, cache and whatever training adds
+        steps = Steps(model, train, settings, strategy, args.warmup + args.steps, Path(work))
+        out["loss_first"] = steps.to(1)  # also allocates the optimizer's state
+        steps.to(args.warmup - 1)
+        attention = attention_backends(lambda: steps.to(args.warmup), device)  # the last warm-up step, profiled
+        steps.to(args.warmup)  # nothing, unless the profiler failed before the step ran
+        out |= {"sdpa_backend": attention["backend"], "sdpa": attention}
+        timed = timed_steps(steps, args.warmup, args.warmup + args.steps, device)
+    on_gpu = device.type == "cuda"
+    out["measured_peak_gib"] = torch.cuda.max_memory_allocated(device) / GiB if on_gpu else None
+    # The plan leaves the cache out (--plan reports it per token of the data): added to it here.
+    planned = out["plan_peak_gib"] + (out["cache_gib"] or 0)
+    out["peak_over_plan_and_cache"] = out["measured_peak_gib"] / planned if on_gpu else None
+    rows = epoch_batches(len(train.ids), 0, settings, strategy.processes)
+    rows = rows[args.warmup * settings.grad_accum : (args.warmup + args.steps) * settings.grad_accum]
+    lengths = [len(train.ids[i]) for batch in rows for i in batch]
+    choice, cached = job.choice, out["frozen_prefix_cache"]
+    flops = step_flops(clf.backbone.cfg, choice.train_last, cached, choice.lora is not None, lengths)
+    tflops = flops / timed["seconds"] / 1e12
+    out |= {
+        "dtype": str(choice.dtype).removeprefix("torch."),
+        "train_last": choice.train_last,
+        "lora_rank": choice.lora.rank if choice.lora else None,
+        "batch_size": settings.batch_size,
+        "optimizer_state": settings.optimizer_state,
+        "timed_steps": args.steps,
+        "timed_seconds": timed["seconds"],
+        "train_tokens_per_s": timed["tokens"] / timed["seconds"],
+        "model_tflops": tflops,
+        "mfu": tflops / peak if peak else None,
+        "syncs_per_step": timed["syncs_per_step"],
+        "loss_last": timed["loss_last"],
+    }
+    return out
+
+
+# --- the report -----------------------------------------------------------------------------------------------------
+
+
+def fmt(value, spec: str = ".2f") -> str:
+    return "n/a" if value is None else format(value, spec)
+
+
+def markdown(result: dict) -> str:
+    """The table printed and written to gpu_check.md."""
+    lines = [
+        f"### gpu_check on {result['device']} (torch {result['torch']}, CUDA {result['cuda']}), {result['date']}",
+        "",
+        f"`{result['command']}`",
+        "",
+        f"load_weights: {fmt(result['load_checkpoint_gib'])} GiB in {fmt(result['load_seconds'], '.1f')} s, peak/"
+        f"checkpoint {fmt(result['load_peak_ratio'], '.3f')}; {result['total_seconds']:.0f} s in all",
+        "",
+        "| recipe | trained params | batch | max len | tokens/s | MFU | syncs/step | attention | loss first -> last "
+        "| peak GiB | plan GiB | cache GiB |",
+        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | --- | --- | ---: | ---: | ---: |",
+    ]
+    for r in result["recipes"]:
+        if r["error"]:
+            lines.append(f"| {r['name']} | {r['error']} | | | | | | | | | | |")
+            continue
+        lines.append(
+            f"| {r['name']} | {r['trainable_params'] / 1e6:,.1f}M | {r['batch_size']} | {r['max_length']} | "
+            f"{r['train_tokens_per_s']:,.0f} | {fmt(r['mfu'], '.1%')} | {fmt(r['syncs_per_step'])} | "
+            f"{r['sdpa_backend']} | {r['loss_first']:.4f} -> {r['loss_last']:.4f} | {fmt(r['measured_peak_gib'])} | "
+            f"{r['plan_peak_gib']:.2f} | {fmt(r.get('cache_gib'))} |"
+        )
+    return "\n".join(lines)
+
+
+def summary(recipes: list[dict]) -> dict:
+    """Per headline figure, each recipe's value: one look at the top of the JSON."""
+    ok = [r for r in recipes if not r["error"]]
+    out = {"ran": [r["name"] for r in ok], "failed": {r["name"]: r["error"] for r in recipes if r["error"]}}
+    return out | {key: {r["name"]: r[key] for r in ok} for key in RECIPE_KEYS}
+
+
+def write_json(result: dict, out: Path) -> None:
+    """The results so far, replacing the last copy in one rename: a run cut off by a timeout leaves a whole file."""
+    result["total_seconds"] = time.perf_counter() - STARTED
+    result["summary"] = summary(result["recipes"])
+    tmp = out / ".gpu_check.json.tmp"
+    tmp.write_text(json.dumps(result, indent=2) + "\n")
+    os.replace(tmp, out / "gpu_check.json")
+
+
+# --- the command ----------------------------------------------------------------------------------------------------
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--out", type=Path, default=Path("gpu_check"), help="where gpu_check.json and .md go")
+    p.add_argument("--device", default="auto", help="auto | cuda | cpu")
+    p.add_argument("--quick", action="store_true", help="tiny shapes (seconds on a CPU): the same code, no figures")
+    p.add_argument(
+        "--dir",
+        type=Path,
+        default=Path(tempfile.gettempdir()) / "llama_scratch_gpu_check",
+        help="where the random checkpoints are written, and kept: a second run on the machine reuses them",
+    )
+    p.add_argument("--recipes", nargs="+", choices=[r.name for r in RECIPES], help="default: all")
+    p.add_argument("--steps", type=int, help="timed optimizer steps per recipe (default: 20; 3 with --quick)")
+    p.add_argument("--warmup", type=int, default=3, help="untimed steps first (at least 2; default 3)")
+    p.add_argument("--batch-size", type=int, default=8, help="rows per optimizer step (default: 8)")
+    p.add_argument("--peak-tflops", type=float, help="the device's dense bf16 peak, if gpu_8b's table lacks it")
+    args = p.parse_args(argv)
+    if args.warmup < 2:
+        p.error("--warmup must be at least 2: the first step allocates the optimizer's state, the last is profiled")
+    args.steps = args.steps or (3 if args.quick else 20)
+    if args.steps < 1 or args.batch_size < 1:
+        p.error("--steps and --batch-size must be positive")
+    return args
+
+
+def start(args: argparse.Namespace, argv: list[str] | None) -> tuple[Strategy, dict]:
+    """The device (chosen as finetune_classifier chooses it) and the result's header."""
+    strategy = choose_strategy(args.device)
+    device = strategy.device
+    on_gpu = device.type == "cuda"
+    name = torch.cuda.get_device_name(device) if on_gpu else "CPU"
+    result = {
+        "command": " ".join(["python", "benchmarks/gpu_check.py", *(sys.argv[1:] if argv is None else argv)]),
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "device": name,
+        "device_memory_gib": torch.cuda.get_device_properties(device).total_memory / GiB if on_gpu else None,
+        "torch": torch.__version__,
+        "cuda": torch.version.cuda if on_gpu else None,
+        "peak_bf16_tflops": args.peak_tflops or (peak_tflops(name) if on_gpu else None),
+        "quick": args.quick,
+        "tokenizer": "byte-level: 256 byte tokens + Llama-3's specials (~4x Llama-3's tokens per text)",
+    }
+    log(f"device {name}, torch {torch.__version__}, CUDA {result['cuda']}; checkpoints in {args.dir}")
+    return strategy, result
+
+
+def measure_first_load(cfg: LlamaConfig, ckpt: Path, device: torch.device) -> dict:
+    """gpu_8b's load measurement on this checkpoint: peak over its bytes (GPU only), seconds."""
+    model, load = measure_load(cfg, ckpt, device)
+    del model
+    free(device)
+    ratio = load["peak_over_checkpoint"]
+    log(f"load: {load['checkpoint_bytes'] / GiB:.2f} GiB in {load['seconds']:.1f} s, peak/checkpoint {ratio}")
+    return {
+        "load_peak_ratio": load["peak_over_checkpoint"],
+        "load_seconds": load["seconds"],
+        "load_checkpoint_gib": load["checkpoint_bytes"] / GiB,
+        "load": load,
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    sys.stderr, stderr = NoBars(sys.stderr), sys.stderr
+    try:
+        return check(args, argv)
+    finally:
+        sys.stderr = stderr
+
+
+def check(args: argparse.Namespace, argv: list[str] | None) -> int:
+    """The load, then each recipe in turn; 0 if any recipe ran."""
+    args.out.mkdir(parents=True, exist_ok=True)
+    strategy, result = start(args, argv)
+    device = strategy.device
+    if device.type != "cuda" and not args.quick:
+        raise SystemExit(f"gpu_check: {device} has no GPU: pass --quick for the tiny shapes (8B would take hours)")
+    recipes = [r for r in RECIPES if not args.recipes or r.name in args.recipes]
+    shapes = {r.shape: SHAPES[r.shape][1 if args.quick else 0] for r in recipes}
+    result |= {"load_peak_ratio": None, "load_seconds": None, "load_checkpoint_gib": None, "recipes": []}
+    write_json(result, args.out)
+    ckpts = {}
+    for shape, cfg in shapes.items():
+        log(f"checkpoint {shape}: {cfg.n_layers} blocks of {cfg.dim}, {cfg.dtype} ...")
+        ckpts[shape] = checkpoint_for(cfg, args.dir)
+    first = recipes[0].shape
+    result |= measure_first_load(shapes[first], ckpts[first], device)
+    write_json(result, args.out)
+    for recipe in recipes:
+        log(f"recipe {recipe.name}: {' '.join(recipe.flags)}")
+        entry = {"name": recipe.name, "shape": recipe.shape, "flags": list(recipe.flags), "error": None}
+        entry |= dict.fromkeys(RECIPE_KEYS)
+        try:
+            entry |= run_recipe(recipe, ckpts[recipe.shape], args, strategy, result["peak_bf16_tflops"])
+        except Exception as e:  # out of memory or anything else: reported, and the next recipe runs
+            entry["error"] = f"{type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ''}"[:300]
+            entry["traceback"] = traceback.format_exc()[-3000:]
+            print(entry["traceback"][-1500:], file=sys.stderr, flush=True)  # the device returns 12,000 characters
+        free(device)
+        result["recipes"].append(entry)
+        write_json(result, args.out)
+        log(f"recipe {recipe.name}: " + (entry["error"] or ", ".join(f"{k} {entry[k]}" for k in RECIPE_KEYS)))
+    table = markdown(result)
+    (args.out / "gpu_check.md").write_text(table + "\n")
+    print(table, flush=True)
+    return 0 if result["summary"]["ran"] else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
