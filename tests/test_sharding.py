@@ -273,3 +273,20 @@ def test_sharded_run_caches_the_frozen_layers_and_trains_as_without(checkpoint, 
     for key in ("train_accuracy", "val_accuracy", "test_accuracy", "test_confusion", "steps"):
         assert ma[key] == mb[key], key
     assert abs(ma["test_loss"] - mb["test_loss"]) < 1e-5
+
+
+def test_sharded_run_from_random_weights_writes_the_file_one_process_writes(small_csv, tmp_path):
+    """`--model tiny --train-last all` (random weights, a tied embedding: the whole classifier is saved), typed as
+    a user types it, alone and under torchrun with --shard: the same tensors under the same names and shapes, and
+    the same values. The sharded file held the tied embedding a second time, as backbone.lm_head.weight (issue 29 j)."""
+    common = ["--model", "tiny", "--train-last", "all", "--data", str(small_csv), "--split", "full", "--epochs", "1",
+              "--max-length", "48", "--lr", "1e-3"]  # fmt: skip
+    one = run_module(*common, "--output", str(tmp_path / "one"), "--batch-size", "8")
+    two = run_module(*common, "--output", str(tmp_path / "two"), "--batch-size", "4", "--shard", torchrun=2)
+    assert one.returncode == 0, one.stderr
+    assert two.returncode == 0, two.stderr
+    assert "sharded across 2 processes" in two.stdout
+    a, b = (load_file(tmp_path / d / "classifier.safetensors") for d in ("one", "two"))
+    assert {k: v.shape for k, v in b.items()} == {k: v.shape for k, v in a.items()}
+    assert "backbone.embed_tokens.weight" in a and "backbone.lm_head.weight" not in a
+    assert max((a[k] - b[k]).abs().max().item() for k in a) <= 1e-5

@@ -288,8 +288,7 @@ def save_gathered(
     """Write `named` (sharded or not) as one safetensors file on rank 0, gathering one tensor at a time: the
     header first (from the shapes), then each whole tensor as it arrives; never the whole model at once. Every
     process must call it (each gather is a collective)."""
-    seen: set[int] = set()  # a tied embedding under two names is written once, under the first (as save_weights)
-    named = {n: t for n, t in named.items() if not (id(t) in seen or seen.add(id(t)))}
+    named = distinct(named, processes)
     if processes.is_main:
         meta = {k: v if isinstance(v, str) else json.dumps(v) for k, v in (metadata or {}).items()}
         entries = [
@@ -299,6 +298,27 @@ def save_gathered(
     else:
         for t in named.values():
             full_tensor(t.detach())
+
+
+def distinct(named: dict[str, torch.Tensor], processes: Processes) -> dict[str, torch.Tensor]:
+    """`named` with each tensor once, under its first name, as save_weights writes a single process's file. A tied
+    embedding is one parameter, but `state_dict()` lists it twice (the embedding and the next-token projection),
+    each a separate detached view: told apart by the memory they view, not by the Python object. Rank 0 decides,
+    since it holds the first rows of every tensor (a process holding none of two tensors' rows sees two empty
+    views alike), and tells the others: every process must gather the same tensors in the same order."""
+    keep = None
+    if processes.is_main:
+        seen: set[tuple] = set()
+        keep = []
+        for name, t in named.items():
+            mine = local(t)
+            key = (mine.data_ptr(), mine.dtype, tuple(t.shape), mine.stride())
+            if not (mine.numel() and key in seen):
+                keep.append(name)
+                seen.add(key)
+    if processes.several:
+        keep = distributed.broadcast_object(keep)
+    return {name: named[name] for name in keep}
 
 
 def read_from_main(named: dict[str, torch.Tensor], path: Path, processes: Processes) -> None:
