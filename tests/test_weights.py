@@ -530,3 +530,46 @@ def test_gpu_load_stages_through_buffers_of_the_largest_tensor_and_frees_them(mo
     weights.load_weights(reference, untied_dir, progress=False, mmap=False)
     for (name, p), q in zip(model.named_parameters(), reference.parameters(), strict=True):
         assert torch.equal(p, q.bfloat16()), name
+
+
+def _status(field: str) -> int:
+    line = next(x for x in Path("/proc/self/status").read_text().splitlines() if x.startswith(field))
+    return int(line.split()[1]) * 1024
+
+
+def test_best_weights_are_read_back_in_place_one_tensor_at_a_time(tmp_path):
+    """The best weights of a run trained from random weights (the whole model) read back by `load_trained`: into
+    the parameters themselves, one tensor at a time beside them, never a second copy of the model (safetensors'
+    load_file put one on the GPU). Counted twice: tensors created (LiveTensorBytes, the dispatcher's view) and
+    the process's peak resident memory (which also sees the memory-mapped file that load_file read through)."""
+    import sys
+
+    from llama_scratch.model.classifier import LlamaClassifier
+    from llama_scratch.parallel.strategy import Replicated
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    import gpu_8b
+
+    cfg = LlamaConfig(vocab_size=512, dim=256, n_layers=12, n_heads=4, n_kv_heads=2, head_dim=64, ffn_dim=768,
+                      max_seq_len=64, tie_embeddings=True, dtype=torch.float32)  # fmt: skip
+    torch.manual_seed(0)
+    trained = LlamaClassifier(Llama(cfg), 2, train_last=None)
+    save_weights(dict(trained.named_parameters()), tmp_path / "best.safetensors")  # as save_classifier does
+    torch.manual_seed(1)
+    clf = LlamaClassifier(Llama(cfg), 2, train_last=None)
+    named = dict(clf.named_parameters())
+    places = {n: p.data_ptr() for n, p in named.items()}
+    full = sum(p.numel() * p.element_size() for p in named.values())  # 38 MB in 111 tensors
+    largest = max(p.numel() * p.element_size() for p in named.values())  # 0.75 MB
+    with gpu_8b.LiveTensorBytes():  # its first use costs tens of MB (the dispatcher's Python side): paid here
+        torch.ones(1).add_(1)
+    Path("/proc/self/clear_refs").write_text("5")  # the peak from here on
+    before = _status("VmRSS:")
+    with gpu_8b.LiveTensorBytes() as live:
+        Replicated().load_trained(clf, named, tmp_path / "best.safetensors")
+    grown = _status("VmHWM:") - before
+    assert live.peak <= largest, (live.peak, largest)
+    assert grown <= full / 4, (grown, full)
+    assert {n: p.data_ptr() for n, p in clf.named_parameters()} == places  # in place: the same memory
+    for (name, p), q in zip(clf.named_parameters(), trained.parameters(), strict=True):
+        assert torch.equal(p, q), name

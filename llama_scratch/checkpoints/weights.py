@@ -357,13 +357,38 @@ def copy_named_tensors(
     before anything is copied.
     """
     params = dict(module.named_parameters(remove_duplicate=False))  # a tied weight answers to both its names
-    unknown = [n for n in tensors if n not in params]
+    _check_named(params, {n: tuple(t.shape) for n, t in tensors.items()}, source, required)
+    with torch.no_grad():
+        for name, value in tensors.items():
+            params[name].copy_(value)
+
+
+def copy_named_file(module: nn.Module, path: str | Path, required: Iterable[str] = ()) -> None:
+    """`copy_named_tensors` from a safetensors file, one tensor at a time, each into its parameter in place.
+
+    Names and shapes are checked from the header before anything is read. Then each tensor passes through host
+    memory alone: reading the whole file first (safetensors' `load_file`) would hold a second copy of every
+    tensor it holds, on the GPU beside the model for a run trained from random weights."""
+    params = dict(module.named_parameters(remove_duplicate=False))
+    entries = read_header(path)
+    _check_named(params, {n: e.shape for n, e in entries.items()}, str(path), required)
+    with open(path, "rb", buffering=0) as fh, torch.no_grad():
+        for name, e in sorted(entries.items(), key=lambda kv: kv[1].offset):  # in file order
+            staged = torch.empty(e.shape, dtype=e.dtype)
+            read_into(fh, e, staged)
+            params[name].copy_(staged)
+            del staged
+
+
+def _check_named(params: dict, shapes: dict[str, tuple], source: str, required: Iterable[str]) -> None:
+    """Unknown names, wrong shapes and `required` parameters not covered, as one CheckpointError naming `source`."""
+    unknown = [n for n in shapes if n not in params]
     wrong = [
-        f"{n} {list(t.shape)} (the model's is {list(params[n].shape)})"
-        for n, t in tensors.items()
-        if n in params and tuple(t.shape) != tuple(params[n].shape)
+        f"{n} {list(shape)} (the model's is {list(params[n].shape)})"
+        for n, shape in shapes.items()
+        if n in params and tuple(shape) != tuple(params[n].shape)
     ]
-    covered = {id(params[n]) for n in tensors if n in params}
+    covered = {id(params[n]) for n in shapes if n in params}
     missing = [n for n in required if id(params[n]) not in covered]
     problems = [
         f"{what}: {', '.join(names[:5])}" + (f" and {len(names) - 5} more" if len(names) > 5 else "")
@@ -372,9 +397,6 @@ def copy_named_tensors(
     ]
     if problems:
         raise CheckpointError(f"{source} does not fit the model: {'; '.join(problems)}")
-    with torch.no_grad():
-        for name, value in tensors.items():
-            params[name].copy_(value)
 
 
 # --- saving ----------------------------------------------------------------------------------------------------------
