@@ -15,11 +15,10 @@ import sys
 from pathlib import Path
 
 import torch
-from safetensors.torch import load_file
 
 from .checkpoints.atomic import write_text_atomic
 from .checkpoints.run_record import WEIGHTS_FILE, read_run
-from .checkpoints.weights import CheckpointError, copy_named_tensors
+from .checkpoints.weights import CheckpointError, copy_named_file
 from .data.batching import TokenizedSplit, forward, length_sorted_batches, to_batch
 from .data.inputs import Inputs, read_inputs
 from .data.labelled import DataError
@@ -69,10 +68,10 @@ def load_classifier(
             f"{record.path}: LoRA blocks {list(record.lora.blocks)} are not the "
             f"last train_last={record.train_last} blocks {clf.lora_blocks}"
         )
-    tensors = load_file(weights_path, device=str(device))
     # Every parameter of a from-scratch model, else every one the run trained: none may keep a fresh initialisation.
+    # Read one tensor at a time into the parameters: a from-scratch run's file is the whole model.
     needed = clf.named_parameters() if record.weights_include_backbone else clf.trainable_parameters().items()
-    copy_named_tensors(clf, tensors, str(weights_path), required=[name for name, _ in needed])
+    copy_named_file(clf, weights_path, required=[name for name, _ in needed])
     if record.tokenizer == "llama3":
         tokenizer = Tokenizer.default()
     else:  # the base checkpoint's own: where it is now, if it moved

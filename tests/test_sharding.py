@@ -273,3 +273,57 @@ def test_sharded_run_caches_the_frozen_layers_and_trains_as_without(checkpoint, 
     for key in ("train_accuracy", "val_accuracy", "test_accuracy", "test_confusion", "steps"):
         assert ma[key] == mb[key], key
     assert abs(ma["test_loss"] - mb["test_loss"]) < 1e-5
+
+
+def test_sharded_run_from_random_weights_writes_the_file_one_process_writes(small_csv, tmp_path):
+    """`--model tiny --train-last all` (random weights, a tied embedding: the whole classifier is saved), typed as
+    a user types it, alone and under torchrun with --shard: the same tensors under the same names and shapes, and
+    the same values. The sharded file held the tied embedding a second time, as backbone.lm_head.weight (issue 29 j)."""
+    common = ["--model", "tiny", "--train-last", "all", "--data", str(small_csv), "--split", "full", "--epochs", "1",
+              "--max-length", "48", "--lr", "1e-3"]  # fmt: skip
+    one = run_module(*common, "--output", str(tmp_path / "one"), "--batch-size", "8")
+    two = run_module(*common, "--output", str(tmp_path / "two"), "--batch-size", "4", "--shard", torchrun=2)
+    assert one.returncode == 0, one.stderr
+    assert two.returncode == 0, two.stderr
+    assert "sharded across 2 processes" in two.stdout
+    a, b = (load_file(tmp_path / d / "classifier.safetensors") for d in ("one", "two"))
+    assert {k: v.shape for k, v in b.items()} == {k: v.shape for k, v in a.items()}
+    assert "backbone.embed_tokens.weight" in a and "backbone.lm_head.weight" not in a
+    assert max((a[k] - b[k]).abs().max().item() for k in a) <= 1e-5
+
+
+RANDOM_START_SCRIPT = """
+import os, torch
+from llama_scratch.model import llama
+from llama_scratch.parallel import sharding
+from llama_scratch.parallel.strategy import Replicated, choose_strategy, teardown
+
+strategy = choose_strategy("cpu", shard=True)
+built, init = [], llama.Llama.__init__
+def noting_where(self, cfg):  # where each Llama is built: a whole one on a device is what must not happen
+    init(self, cfg)
+    built.append(self.embed_tokens.weight.device.type)
+llama.Llama.__init__ = noting_where
+torch.manual_seed(0)
+clf = strategy.build_classifier("tiny", torch.float32, 2, None, None)
+llama.Llama.__init__ = init
+assert built == ["meta"], built
+torch.manual_seed(0)
+one = Replicated().build_classifier("tiny", torch.float32, 2, None, None)
+mine = dict(clf.named_parameters(remove_duplicate=False))
+assert mine.keys() == dict(one.named_parameters(remove_duplicate=False)).keys()
+assert all(sharding.is_dtensor(p) for p in mine.values()), "sharded, not whole"
+for name, p in one.named_parameters(remove_duplicate=False):
+    assert torch.equal(sharding.full_tensor(mine[name].detach()), p.detach()), name
+assert clf.backbone.lm_head.weight is clf.backbone.embed_tokens.weight, "still tied"
+assert torch.equal(one.backbone.rope.cos, clf.backbone.rope.cos)
+os.write(1, f"rank {strategy.processes.rank} ok\\n".encode())
+teardown()
+"""
+
+
+def test_sharded_random_weights_start_as_one_process_without_a_whole_copy(tmp_path):
+    """--shard --model tiny: the classifier is built on the meta device, sharded, and each process draws its rows;
+    every weight (the tied embedding, the norms' ones, the head) equals what one process draws from the same
+    seed. Before, each process built the whole preset on its device first."""
+    run_on_two_processes(RANDOM_START_SCRIPT, tmp_path / "random_start.py")

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
+import weakref
 from pathlib import Path
 
 import pytest
@@ -12,10 +14,12 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
+from llama_scratch.checkpoints import weights
 from llama_scratch.checkpoints.hf_layout import (
     TensorToWrite,
     hf_to_ours,
     ours_to_hf,
+    read_header,
     tensors_to_write,
     write_safetensors,
 )
@@ -415,27 +419,57 @@ def test_download_gated_repo_explains_how_to_get_access(tmp_path, monkeypatch, c
     assert "https://huggingface.co/meta-llama/Meta-Llama-3-8B" in err and "HF_TOKEN" in err
 
 
-def test_gpu_staging_alternates_two_buffers_and_waits_before_refilling_one():
-    """The pinned double buffer of GPU loads, with its GPU parts stood in for (no GPU here): tensors go through the
-    two buffers in turn, a buffer is refilled only after the event of its previous copy completed, and the bytes
-    arrive intact in every dtype."""
+class FakeCuda:
+    """The torch.cuda calls that `Staging` makes, stood in for (no GPU here): every event records the stream it was
+    recorded on, every stream the device it belongs to, and the device that was current around each copy."""
+
+    def __init__(self, monkeypatch):
+        self.log: list[tuple] = []
+        self.current = torch.device("cuda", 0)  # what a command that never calls set_device leaves current
+        self.asked: list[int] = []  # the sizes of the pinned buffers asked for
+        self.buffers: list = []  # weak references to them
+        log, fake = self.log, self
+
+        class Event:
+            def __init__(self):
+                self.n = sum(1 for entry in log if entry[0] == "record")
+
+            def record(self, stream=None):
+                device = fake.current if stream is None else stream  # no stream: the current device's
+                log.append(("record", self.n, device))
+
+            def synchronize(self):
+                log.append(("wait", self.n))
+
+        @contextlib.contextmanager
+        def device(d):
+            before, fake.current = fake.current, torch.device(d)
+            try:
+                yield
+            finally:
+                fake.current = before
+
+        def pinned(nbytes):
+            buffer = torch.zeros(nbytes, dtype=torch.uint8)
+            self.asked.append(nbytes)
+            self.buffers.append(weakref.ref(buffer))
+            return buffer
+
+        monkeypatch.setattr(torch.cuda, "Event", Event)
+        monkeypatch.setattr(torch.cuda, "device", device)
+        monkeypatch.setattr(torch.cuda, "current_stream", lambda d=None: torch.device(d) if d else fake.current)
+        monkeypatch.setattr(weights, "pinned_buffer", pinned)
+        monkeypatch.setattr(weights, "unpin", lambda buffer: log.append(("unpin", buffer.numel())))
+
+
+def test_gpu_staging_alternates_two_buffers_and_waits_before_refilling_one(monkeypatch):
+    """The pinned double buffer of GPU loads, its GPU parts stood in for: tensors go through the two buffers in
+    turn, a buffer is refilled only after the event of its previous copy completed, the bytes arrive intact in
+    every dtype, and `finish` waits for the last copies before giving the buffers back."""
     from llama_scratch.checkpoints.hf_layout import TensorInfo
-    from llama_scratch.checkpoints.weights import Staging
 
-    log = []
-
-    class Event:  # torch.cuda.Event's part that Staging uses
-        def __init__(self):
-            self.n = len(log)
-
-        def record(self):
-            log.append(("record", self.n))
-
-        def synchronize(self):
-            log.append(("wait", self.n))
-
-    staging = Staging(64, torch.device("cpu"), event=Event)
-    staging.buffers = [torch.zeros(64, dtype=torch.uint8), torch.zeros(64, dtype=torch.uint8)]  # pinned on a GPU
+    cuda = FakeCuda(monkeypatch)
+    staging = weights.Staging(64, torch.device("cuda", 0))
     sources = [torch.arange(6, dtype=torch.float32), torch.arange(8).bfloat16(), torch.ones(3, 2, dtype=torch.float16)]
     used = []
     for i, src in enumerate(sources):
@@ -443,9 +477,99 @@ def test_gpu_staging_alternates_two_buffers_and_waits_before_refilling_one():
         staged = staging.take(e)
         used.append(staged.untyped_storage().data_ptr())
         staged.copy_(src)  # what read_into does from the file
-        dest = torch.empty(src.shape, dtype=torch.float32)
+        dest = torch.empty(src.shape, dtype=torch.float32)  # on a GPU, in a load
         staging.send(staged, dest)
         assert torch.equal(dest, src.float())
     staging.finish()
     assert used[0] != used[1] and used[0] == used[2]
-    assert log[:2] == [("record", 0), ("record", 1)] and log[2] == ("wait", 0)  # third take waits for the first copy
+    steps = [entry[:2] for entry in cuda.log]
+    assert steps[:3] == [("record", 0), ("record", 1), ("wait", 0)]  # the third take waits for the first copy
+    assert steps[4:] == [("wait", 1), ("wait", 2), ("unpin", 64), ("unpin", 64)]  # copies done, then given back
+    assert staging.buffers == []
+
+
+def test_gpu_staging_waits_on_the_stream_of_the_gpu_it_copies_to(monkeypatch):
+    """--device cuda:1 with cuda:0 current (no command calls set_device): the copy runs on cuda:1's stream, so the
+    event a buffer's refill waits for must be recorded there, not on the current device's stream."""
+    from llama_scratch.checkpoints.hf_layout import TensorInfo
+
+    cuda = FakeCuda(monkeypatch)
+    staging = weights.Staging(64, torch.device("cuda", 1))
+    seen = []
+
+    class Dest(torch.Tensor):  # a destination that notes which device was current when it was copied into
+        def copy_(self, src, non_blocking=False):
+            seen.append(cuda.current)
+            return super().copy_(src)
+
+    for i in range(3):
+        e = TensorInfo(f"t{i}", Path("x"), torch.float32, (4,), 0, 16)
+        staged = staging.take(e)
+        staged.fill_(i)
+        staging.send(staged, torch.empty(4).as_subclass(Dest))
+    staging.finish()
+    recorded = [entry[2] for entry in cuda.log if entry[0] == "record"]
+    assert recorded == [torch.device("cuda", 1)] * 3, recorded
+    assert seen == [torch.device("cuda", 1)] * 3, seen
+    assert cuda.current == torch.device("cuda", 0)  # the current device is left as it was
+
+
+def test_gpu_load_stages_through_buffers_of_the_largest_tensor_and_frees_them(monkeypatch, untied_dir):
+    """The pinned buffers are exactly the largest tensor's bytes (not a power of two above) and none outlives the
+    load: pinned memory kept for the process's life is memory no one else can use. The GPU is stood in for by
+    making the CPU load stage its bytes as a GPU load does."""
+    cuda = FakeCuda(monkeypatch)
+    monkeypatch.setattr(weights, "pins", lambda device: True)
+    model = meta_model(small_config(tied=False, dtype=torch.bfloat16))  # the float32 file is converted on its way
+    weights.load_weights(model, untied_dir, device="cpu", progress=False)
+    largest = max(e.nbytes for f in weights.find_checkpoint_files(untied_dir) for e in read_header(f).values())
+    assert cuda.asked == [largest, largest]
+    assert [r() for r in cuda.buffers] == [None, None], "a staging buffer outlived the load"
+    assert [entry for entry in cuda.log if entry[0] == "unpin"] == [("unpin", largest)] * 2
+    reference = meta_model(small_config(tied=False))
+    weights.load_weights(reference, untied_dir, progress=False, mmap=False)
+    for (name, p), q in zip(model.named_parameters(), reference.parameters(), strict=True):
+        assert torch.equal(p, q.bfloat16()), name
+
+
+def _status(field: str) -> int:
+    line = next(x for x in Path("/proc/self/status").read_text().splitlines() if x.startswith(field))
+    return int(line.split()[1]) * 1024
+
+
+def test_best_weights_are_read_back_in_place_one_tensor_at_a_time(tmp_path):
+    """The best weights of a run trained from random weights (the whole model) read back by `load_trained`: into
+    the parameters themselves, one tensor at a time beside them, never a second copy of the model (safetensors'
+    load_file put one on the GPU). Counted twice: tensors created (LiveTensorBytes, the dispatcher's view) and
+    the process's peak resident memory (which also sees the memory-mapped file that load_file read through)."""
+    import sys
+
+    from llama_scratch.model.classifier import LlamaClassifier
+    from llama_scratch.parallel.strategy import Replicated
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    import gpu_8b
+
+    cfg = LlamaConfig(vocab_size=512, dim=256, n_layers=12, n_heads=4, n_kv_heads=2, head_dim=64, ffn_dim=768,
+                      max_seq_len=64, tie_embeddings=True, dtype=torch.float32)  # fmt: skip
+    torch.manual_seed(0)
+    trained = LlamaClassifier(Llama(cfg), 2, train_last=None)
+    save_weights(dict(trained.named_parameters()), tmp_path / "best.safetensors")  # as save_classifier does
+    torch.manual_seed(1)
+    clf = LlamaClassifier(Llama(cfg), 2, train_last=None)
+    named = dict(clf.named_parameters())
+    places = {n: p.data_ptr() for n, p in named.items()}
+    full = sum(p.numel() * p.element_size() for p in named.values())  # 38 MB in 111 tensors
+    largest = max(p.numel() * p.element_size() for p in named.values())  # 0.75 MB
+    with gpu_8b.LiveTensorBytes():  # its first use costs tens of MB (the dispatcher's Python side): paid here
+        torch.ones(1).add_(1)
+    Path("/proc/self/clear_refs").write_text("5")  # the peak from here on
+    before = _status("VmRSS:")
+    with gpu_8b.LiveTensorBytes() as live:
+        Replicated().load_trained(clf, named, tmp_path / "best.safetensors")
+    grown = _status("VmHWM:") - before
+    assert live.peak <= largest, (live.peak, largest)
+    assert grown <= full / 4, (grown, full)
+    assert {n: p.data_ptr() for n, p in clf.named_parameters()} == places  # in place: the same memory
+    for (name, p), q in zip(clf.named_parameters(), trained.parameters(), strict=True):
+        assert torch.equal(p, q), name

@@ -39,9 +39,9 @@ from ..checkpoints.resume import ResumeError
 from ..checkpoints.weights import CheckpointError, LoadReport, match_tensors
 from ..model.classifier import LlamaClassifier, new_head
 from ..model.config import LlamaConfig
-from ..model.llama import Llama
+from ..model.llama import Llama, RMSNorm
 from ..model.lora import LoRASettings, lora_layers, new_adapters
-from ..sources.resolve import load_model, trains_from_scratch
+from ..sources.resolve import trains_from_scratch
 from . import distributed
 from .distributed import Processes
 
@@ -108,19 +108,54 @@ def sharded_classifier(
     progress: bool,
 ) -> LlamaClassifier:
     """The classifier built on the meta device, sharded, then filled: from a checkpoint, each process reads only its
-    rows (`load_sharded`); a preset's random weights are drawn whole on each process (the same draw everywhere,
-    as one process draws them: a preset is small or a test) and cut to its rows by `fully_shard`."""
-    if trains_from_scratch(ref):
-        clf = LlamaClassifier(load_model(ref, device, dtype), num_classes, train_last, lora)
-        shard_model(clf, mesh)
-        return clf
-    cfg = dataclasses.replace(LlamaConfig.from_hf(ref), dtype=dtype)
+    rows (`load_sharded`); a preset's random weights are drawn tensor by tensor, each process keeping its rows
+    (`draw_sharded`). No process ever holds the whole model."""
+    from_scratch = trains_from_scratch(ref)
+    cfg = LlamaConfig.from_name(ref) if from_scratch else LlamaConfig.from_hf(ref)
+    cfg = dataclasses.replace(cfg, dtype=dtype)
     with torch.device("meta"):
         clf = LlamaClassifier(Llama(cfg), num_classes, train_last, lora)
+    if from_scratch:
+        shard_model(clf, mesh)
+        draw_sharded(clf, device)
+        return clf
     fresh = fresh_values(clf)
     shard_model(clf, mesh)
     load_sharded(clf, ref, device, fresh, progress)
     return clf
+
+
+def draw_sharded(clf: LlamaClassifier, device: torch.device) -> None:
+    """A sharded classifier on the meta device given a preset's random weights, equal to one process's
+    (`load_model` on `device`, then `LlamaClassifier`): the generator is drawn from in the same order, with the
+    same calls on tensors of the same shapes, on `device`, one whole tensor at a time, each process keeping its
+    rows. Peak: this process's shards plus one whole tensor. One process's draws, which this replays: each layer's
+    own initialisation as it is built (nn.Linear's Kaiming, nn.Embedding's normal), then Llama's
+    `apply(_init_weights)` (children before their parent, a tied embedding drawn again as the next-token
+    projection), then the head and the adapters (`fresh_values`)."""
+    clf.to_empty(device=device)  # this process's shards, uninitialised; the rotary tables are recomputed
+    with torch.no_grad():
+        for m in clf.backbone.modules():  # the order they were built in: each drew once, to be overwritten
+            if isinstance(m, nn.Linear):
+                nn.Linear(m.in_features, m.out_features, bias=False, dtype=m.weight.dtype, device=device)
+            elif isinstance(m, nn.Embedding):
+                nn.Embedding(m.num_embeddings, m.embedding_dim, dtype=m.weight.dtype, device=device)
+        for m in children_first(clf.backbone):
+            if isinstance(m, (nn.Linear, nn.Embedding)):  # what model.llama._init_weights draws
+                whole = torch.empty(m.weight.shape, dtype=m.weight.dtype, device=device)
+                set_from_full(m.weight, nn.init.normal_(whole, mean=0.0, std=0.02))
+                del whole
+            elif isinstance(m, RMSNorm):
+                local(m.weight).fill_(1.0)  # RMSNorm's gains start at one
+        for name, value in fresh_values(clf, device).items():
+            set_from_full(clf.get_parameter(name), value)
+
+
+def children_first(module: nn.Module):
+    """`module` and all below it in the order `nn.Module.apply` visits them: each module's children, then it."""
+    for child in module.children():
+        yield from children_first(child)
+    yield module
 
 
 def reshard(model: nn.Module) -> None:
@@ -170,15 +205,15 @@ def set_from_full(t: torch.Tensor, full: torch.Tensor) -> None:
     local(t).copy_(full[start:stop])
 
 
-def fresh_values(clf: LlamaClassifier) -> dict[str, torch.Tensor]:
-    """The head and the LoRA adapters (what no checkpoint holds), drawn on the CPU in full exactly as
+def fresh_values(clf: LlamaClassifier, device: torch.device | str = "cpu") -> dict[str, torch.Tensor]:
+    """The head and the LoRA adapters (what no checkpoint holds), drawn on `device` in full exactly as
     LlamaClassifier and LoRALinear draw them on a loaded backbone, in the same order from the same generator: a
     sharded run starts from the weights a single process starts from (tests/test_sharding.py asserts it)."""
     cfg, head = clf.backbone.cfg, clf.head
-    values = {"head.weight": new_head(cfg.dim, head.out_features, head.weight.dtype, "cpu").weight.detach()}
+    values = {"head.weight": new_head(cfg.dim, head.out_features, head.weight.dtype, device).weight.detach()}
     names = {id(m): name for name, m in clf.named_modules()}
     for layer in lora_layers(clf):
-        a, b = new_adapters(layer.rank, layer.in_features, layer.out_features, layer.lora_a.dtype, "cpu")
+        a, b = new_adapters(layer.rank, layer.in_features, layer.out_features, layer.lora_a.dtype, device)
         values[f"{names[id(layer)]}.lora_a"], values[f"{names[id(layer)]}.lora_b"] = a, b
     return values
 
@@ -288,8 +323,7 @@ def save_gathered(
     """Write `named` (sharded or not) as one safetensors file on rank 0, gathering one tensor at a time: the
     header first (from the shapes), then each whole tensor as it arrives; never the whole model at once. Every
     process must call it (each gather is a collective)."""
-    seen: set[int] = set()  # a tied embedding under two names is written once, under the first (as save_weights)
-    named = {n: t for n, t in named.items() if not (id(t) in seen or seen.add(id(t)))}
+    named = distinct(named, processes)
     if processes.is_main:
         meta = {k: v if isinstance(v, str) else json.dumps(v) for k, v in (metadata or {}).items()}
         entries = [
@@ -299,6 +333,27 @@ def save_gathered(
     else:
         for t in named.values():
             full_tensor(t.detach())
+
+
+def distinct(named: dict[str, torch.Tensor], processes: Processes) -> dict[str, torch.Tensor]:
+    """`named` with each tensor once, under its first name, as save_weights writes a single process's file. A tied
+    embedding is one parameter, but `state_dict()` lists it twice (the embedding and the next-token projection),
+    each a separate detached view: told apart by the memory they view, not by the Python object. Rank 0 decides,
+    since it holds the first rows of every tensor (a process holding none of two tensors' rows sees two empty
+    views alike), and tells the others: every process must gather the same tensors in the same order."""
+    keep = None
+    if processes.is_main:
+        seen: set[tuple] = set()
+        keep = []
+        for name, t in named.items():
+            mine = local(t)
+            key = (mine.data_ptr(), mine.dtype, tuple(t.shape), mine.stride())
+            if not (mine.numel() and key in seen):
+                keep.append(name)
+                seen.add(key)
+    if processes.several:
+        keep = distributed.broadcast_object(keep)
+    return {name: named[name] for name in keep}
 
 
 def read_from_main(named: dict[str, torch.Tensor], path: Path, processes: Processes) -> None:

@@ -25,10 +25,9 @@ from pathlib import Path
 from typing import TYPE_CHECKING, TypeVar
 
 import torch
-from safetensors.torch import load_file
 from torch import nn
 
-from ..checkpoints.weights import copy_named_tensors, save_weights
+from ..checkpoints.weights import copy_named_file, save_weights
 from ..model.classifier import LlamaClassifier
 from ..model.lora import LoRASettings
 from ..sources.resolve import load_model
@@ -281,9 +280,10 @@ class Replicated(Strategy):
             save_weights({k: v.detach() for k, v in named.items()}, path, metadata)
 
     def load_trained(self, model: nn.Module, named: dict[str, torch.Tensor], path: Path) -> None:
-        """Rank 0 reads the file into `model` (every name and shape checked), then sends `named` to the others."""
+        """Rank 0 reads the file into `model`'s parameters in place, one tensor at a time (every name and shape
+        checked first: weights.copy_named_file), then sends `named` to the others."""
         if self.is_main:
-            copy_named_tensors(unwrap(model), load_file(path, device=str(self.device)), str(path))
+            copy_named_file(unwrap(model), path)
         if self.processes.several:
             distributed.broadcast_parameters(list(named.values()))
 
