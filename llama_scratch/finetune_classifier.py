@@ -139,12 +139,23 @@ def read_data(args: argparse.Namespace, log) -> tuple[LabelledTexts, dict[str, L
     return data, parts, protocol
 
 
+def refuse_float16(dtype: torch.dtype, what: str) -> torch.dtype:
+    """`dtype`, unless it is float16: without loss scaling (which this loop does not do) float16's small gradients
+    underflow to zero and its large ones overflow, so such a run would train badly or diverge, quietly."""
+    if dtype == torch.float16:
+        raise ValueError(
+            f"{what} cannot train: float16 needs loss scaling, which this loop does not do; "
+            "use --dtype bfloat16 (on a GPU that has it) or --dtype float32"
+        )
+    return dtype
+
+
 def choose_model(args: argparse.Namespace, strategy: Strategy, log) -> ModelChoice:
     """The model reference made local (fetched, converted or found by rank 0, then by each other node's first
     process where that node cannot see rank 0's copy; the other processes take their node's answer),
     the dtype to compute in, and how much of it trains."""
     device = strategy.device
-    dtype = choose_dtype(args.dtype, device)  # a first answer, to size the default model by
+    dtype = refuse_float16(choose_dtype(args.dtype, device), "--dtype float16")  # a first answer, to size by
     ref = args.model or strategy.on_each_node(lambda: default_model(device, dtype, log))
     repo_id = ref if is_repo_id(ref) else None
     ref = strategy.on_each_node(lambda: local_checkpoint(ref, log))  # several nodes may share no disk
@@ -156,6 +167,7 @@ def choose_model(args: argparse.Namespace, strategy: Strategy, log) -> ModelChoi
         return choose_dtype(args.dtype, device, cfg.dtype, count_parameters(cfg).backbone, log)
 
     dtype = strategy.on_main(checkpoint_dtype)  # free memory differs between processes: rank 0 decides
+    refuse_float16(dtype, f"{ref} is stored in float16, and a float32 copy would not fit: it")
     from_scratch = trains_from_scratch(ref)
     train_last = chosen_train_last(args.train_last, from_scratch)
     return ModelChoice(ref, repo_id, dtype, from_scratch, train_last, lora_settings(args, from_scratch))

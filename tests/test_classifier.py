@@ -75,3 +75,26 @@ def test_only_intended_parameters_train():
 def test_tied_backbone_keeps_its_embedding_trainable_when_training_all():
     clf = LlamaClassifier(Llama(LlamaConfig.from_name("tiny")), train_last=None)
     assert "backbone.embed_tokens.weight" in clf.trainable_parameters()
+
+
+@pytest.mark.parametrize("device", ["cpu", *(["cuda"] if torch.cuda.is_available() else [])])
+def test_one_process_and_a_sharded_run_start_from_the_same_head_and_adapters(device):
+    """The head and LoRA adapters are drawn from the CPU's generator wherever the model is: a sharded run draws
+    them on the CPU (sharding.fresh_values) and one process on a GPU used to draw them from the GPU's generator."""
+    from llama_scratch.model.lora import LoRASettings, lora_layers
+    from llama_scratch.parallel.sharding import fresh_values
+
+    cfg, lora = LlamaConfig.from_name("tiny"), LoRASettings(rank=4, alpha=8.0)
+    backbone = Llama(cfg).to(device)
+    torch.manual_seed(7)
+    one = LlamaClassifier(backbone, num_classes=3, train_last=2, lora=lora)
+    with torch.device("meta"):
+        meta = LlamaClassifier(Llama(cfg), num_classes=3, train_last=2, lora=lora)
+    torch.manual_seed(7)
+    sharded = fresh_values(meta)
+    assert len(lora_layers(one)) > 0 and sharded.keys() == {
+        n for n, p in one.named_parameters() if "lora" in n or n == "head.weight"
+    }
+    for name, p in one.named_parameters():
+        if name in sharded:
+            assert p.device.type == device and torch.equal(p.detach().cpu(), sharded[name]), name

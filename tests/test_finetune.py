@@ -153,6 +153,16 @@ def test_bad_data_gives_a_clear_error(tmp_path):
     assert r.returncode == 2 and "one.csv" in r.stderr and "class" in r.stderr
 
 
+def test_float16_training_is_refused_in_one_line(small_csv, tmp_path, capsys):
+    """float16 without loss scaling underflows small gradients to zero: refused before anything loads or is written,
+    naming the flag and what to use instead."""
+    out = tmp_path / "o"
+    assert finetune_classifier.main(args_for(small_csv, out, "--dtype", "float16")) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "--dtype float16 cannot train" in err and "--dtype bfloat16" in err
+    assert not out.exists()
+
+
 def test_too_little_data_for_the_processes_is_an_error(small_csv, tmp_path):
     r = run_module(*args_for(small_csv, tmp_path / "o", "--batch-size", "128"))
     assert r.returncode == 2 and "fewer than one step needs" in r.stderr

@@ -1,6 +1,7 @@
 """The training loop's pieces that the end-to-end runs (tests/test_finetune.py) do not pin down on their own."""
 
 import math
+from pathlib import Path
 
 import pytest
 import torch
@@ -125,3 +126,35 @@ def test_the_loop_reads_the_device_once_per_optimizer_step(monkeypatch):
         scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0)
         loop = train.Loop(clf, optimizer, scheduler, settings, Replicated(), 3, None, {})
         assert host_reads(loop, split, monkeypatch) == ["tolist"] * 4, side  # the order, then one a step
+
+
+def test_the_divergence_message_gives_one_process_s_gradient_norm(monkeypatch):
+    """The loss and norm are summed over the processes so that all stop together; the message divides the norm
+    back: every process holds the whole model's norm, so the sum was the norm times the number of processes."""
+    from dataclasses import dataclass
+
+    from llama_scratch import Llama, LlamaClassifier, LlamaConfig
+    from llama_scratch.training import loop as train
+
+    @dataclass(frozen=True)
+    class TwoAlike(Replicated):
+        """Rank 0 of two processes that hold the same numbers: their sum is twice this one's."""
+
+        def all_sum(self, values: torch.Tensor) -> torch.Tensor:
+            return values * 2
+
+    norms, real_clip, real_check = [], torch.nn.utils.clip_grad_norm_, train.check_finite
+    monkeypatch.setattr(
+        torch.nn.utils, "clip_grad_norm_", lambda *a, **k: norms.append(real_clip(*a, **k)) or norms[-1]
+    )
+    monkeypatch.setattr(train, "check_finite", lambda totals, *rest: real_check([math.nan, *totals[1:]], *rest))
+    ids = [[1 + (i * 7 + j) % 100 for j in range(4 + i % 5)] for i in range(8)]
+    settings = train.TrainSettings(epochs=1, batch_size=2, save_every=100)
+    clf = LlamaClassifier(Llama(LlamaConfig.from_name("tiny")), num_classes=2, train_last=1)
+    optimizer = train.make_optimizer(clf, settings)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0)
+    strategy = TwoAlike(processes=Processes(world_size=2))
+    loop = train.Loop(clf, optimizer, scheduler, settings, strategy, 2, Path("point"), {})
+    with pytest.raises(train.TrainingDiverged) as e:
+        train.train_epoch(loop, TokenizedSplit(ids, [i % 2 for i in range(8)]), train.TrainState())
+    assert f"(gradient norm {norms[0].double().item()})" in str(e.value) and norms[0] > 0

@@ -14,7 +14,7 @@ import torch
 from torch import nn
 from tqdm import tqdm
 
-from ..model.packing import pack
+from ..model.packing import assemble, layout_parts, to_device
 
 
 class Encoder(Protocol):
@@ -106,28 +106,27 @@ def to_batch(split: TokenizedSplit, rows: list[int], side: str, device: torch.de
     """A batch of these rows: `input_ids` or (with a cache) `frozen_states`, and `labels`; then either `packed`
     (side "packed": the texts one after another, no padding, see packing.py) or `attention_mask` and
     `padding_side` (side "right" or "left"). Decided here, on the host, so the forward never has to look.
+
+    Every int the batch needs (labels, ids, the packed layout or the mask) goes to the device in one non-blocking
+    copy (`to_device`): no copy here makes the host wait for the GPU. Cached states are on the device already.
     """
-    labels = torch.tensor([split.labels[i] for i in rows]).to(device, non_blocking=True)
+    labels = torch.tensor([split.labels[i] for i in rows])
     if side == "packed":
-        layout = pack([len(split.ids[i]) for i in rows], device)
-        if split.states is not None:
-            return {
-                "frozen_states": torch.cat([split.states[i] for i in rows])[None],
-                "packed": layout,
-                "labels": labels,
-            }
-        ids = torch.tensor([t for i in rows for t in split.ids[i]]).to(device, non_blocking=True)
-        return {"input_ids": ids[None], "packed": layout, "labels": labels}
+        lengths = [len(split.ids[i]) for i in rows]
+        cached = split.states is not None
+        ids = torch.tensor([] if cached else [t for i in rows for t in split.ids[i]], dtype=torch.long)
+        labels, ids, *parts = to_device([labels, ids, *layout_parts(lengths)], device)
+        batch = {"packed": assemble(parts, lengths), "labels": labels}
+        if cached:
+            return batch | {"frozen_states": torch.cat([split.states[i] for i in rows])[None]}
+        return batch | {"input_ids": ids[None]}
     if split.states is not None:
-        states, mask = pad_states([split.states[i] for i in rows])
-        return {
-            "frozen_states": states.to(device),
-            "attention_mask": mask.to(device),
-            "labels": labels,
-            "padding_side": "right",
-        }
+        states, mask = pad_states([split.states[i] for i in rows])  # made on the states' device
+        labels = to_device([labels], device)[0]
+        return {"frozen_states": states, "attention_mask": mask, "labels": labels, "padding_side": "right"}
     batch = collate([(split.ids[i], split.labels[i]) for i in rows], split.pad_id, side)
-    return {k: v.to(device, non_blocking=True) for k, v in batch.items()} | {"padding_side": side}
+    moved = to_device(list(batch.values()), device)
+    return dict(zip(batch, moved, strict=True)) | {"padding_side": side}
 
 
 def forward(model: nn.Module, batch: dict[str, Any]) -> torch.Tensor:

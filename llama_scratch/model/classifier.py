@@ -36,12 +36,14 @@ def last_real_token(hidden: torch.Tensor, attention_mask: torch.Tensor | None) -
 
 
 def new_head(dim: int, num_classes: int, dtype: torch.dtype, device: torch.device | str) -> nn.Linear:
-    """The head, small normal weights (std 0.02). The one place it is drawn: a sharded run draws it on the CPU
-    and keeps its rows (sharding.fresh_values), from the same generator in the same order as a single process."""
-    head = nn.Linear(dim, num_classes, bias=False, dtype=dtype, device=device)
-    if not head.weight.is_meta:
-        nn.init.normal_(head.weight, std=0.02)
-    return head
+    """The head, small normal weights (std 0.02). The one place it is drawn, and always from the CPU's generator
+    (then moved to `device`): a sharded run draws it on the CPU and keeps its rows (sharding.fresh_values), so a
+    single process on a GPU, whose own generator would draw other numbers, starts from the same head."""
+    if torch.device(device).type == "meta":
+        return nn.Linear(dim, num_classes, bias=False, dtype=dtype, device=device)
+    head = nn.Linear(dim, num_classes, bias=False, dtype=dtype, device="cpu")
+    nn.init.normal_(head.weight, std=0.02)
+    return head.to(device)
 
 
 class LlamaClassifier(nn.Module):

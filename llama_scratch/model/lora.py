@@ -74,10 +74,13 @@ def parse_targets(targets: str | Iterable[str]) -> tuple[str, ...]:
 
 def new_adapters(rank: int, n_in: int, n_out: int, dtype: torch.dtype, device) -> tuple[torch.Tensor, torch.Tensor]:
     """A [rank, in] drawn Kaiming-uniform (PEFT's initialisation, nn.Linear's default) and B [out, rank] zero.
-    The one place they are drawn (a sharded run draws them on the CPU: sharding.fresh_values)."""
-    a = torch.empty(rank, n_in, dtype=dtype, device=device)
+    The one place they are drawn, always from the CPU's generator (then moved): a sharded run draws them on the
+    CPU (sharding.fresh_values), and a single process on a GPU starts from the same adapters."""
+    if torch.device(device).type == "meta":
+        return torch.empty(rank, n_in, dtype=dtype, device=device), torch.empty(n_out, rank, dtype=dtype, device=device)
+    a = torch.empty(rank, n_in, dtype=dtype, device="cpu")
     nn.init.kaiming_uniform_(a, a=math.sqrt(5))
-    return a, torch.zeros(n_out, rank, dtype=dtype, device=device)
+    return a.to(device), torch.zeros(n_out, rank, dtype=dtype, device=device)
 
 
 class LoRALinear(nn.Linear):

@@ -9,8 +9,9 @@ right-padded [texts, heads, longest, head_dim] batch, attended causally (right p
 fastest kernel serves it) and packed back. Measured on a 2-core CPU that beats one block-diagonal mask over the
 whole stream, whose N x N scores grow with the square of the batch (benchmarks/RESULTS.md).
 
-Everything here is built on the host from the texts' lengths, where the batch is made: the forward then never
-has to read a device tensor back to learn the layout.
+Everything here is built on the host from the texts' lengths, where the batch is made, and copied to the device
+with the batch's token ids and labels in one non-blocking copy (`to_device`): the forward then never has to
+read a device tensor back to learn the layout, and the host never waits for the GPU to hand the batch over.
 """
 
 from __future__ import annotations
@@ -54,30 +55,54 @@ class Packed(NamedTuple):
         return t[0].split(self.lengths)
 
 
-def pack(lengths: Sequence[int], device: torch.device | str | None = None) -> Packed:
-    """The layout of texts of these lengths packed one after another (built on the CPU, then moved)."""
+def to_device(host: Sequence[torch.Tensor], device: torch.device | str | None) -> list[torch.Tensor]:
+    """Host tensors of one dtype on `device` in one copy: views of one flat tensor, shaped as given.
+
+    A blocking copy to a GPU waits for all the work queued before it, so a batch copied that way stalls the GPU's
+    queue once per copy. On a GPU the flat tensor is pinned and copied `non_blocking`: the host goes on queueing
+    while it travels (the caching host allocator keeps the pinned buffer until the copy is done).
+    """
+    flat = torch.cat([t.reshape(-1) for t in host])
+    if device is not None and torch.device(device).type == "cuda":
+        flat = flat.pin_memory().to(device, non_blocking=True)
+    else:
+        flat = flat.to(device)
+    return [part.view(t.shape) for part, t in zip(flat.split([t.numel() for t in host]), host, strict=True)]
+
+
+def layout_parts(lengths: Sequence[int]) -> list[torch.Tensor]:
+    """The layout of texts of these lengths, as host int64 tensors: counts, positions, slots, last (see `Packed`).
+    Built on the CPU, where the lengths are, with no op that would read a device (repeat_interleave is told its
+    output's size), to travel with the batch's other ints in one copy (`to_device`)."""
     if not lengths or min(lengths) < 1:
         raise ValueError(f"every packed text needs at least one token, got lengths {list(lengths)}")
-    longest, counts = max(lengths), torch.tensor(lengths)
+    longest, counts, n = max(lengths), torch.tensor(lengths), sum(lengths)
     starts = counts.cumsum(0) - counts  # where each text begins in the stream
-    text_of = torch.repeat_interleave(torch.arange(len(lengths)), counts)  # [N] which text each token is in
-    positions = torch.arange(sum(lengths)) - starts[text_of]
-    last_sees = torch.arange(longest) < counts[:, None]  # [texts, longest]
-    return Packed(
-        positions=positions.unsqueeze(0).to(device),
-        slots=(text_of * longest + positions).to(device),
-        last=(starts + counts - 1).unsqueeze(0).to(device),
-        last_sees=last_sees[:, None, None, :].to(device),
-        lengths=tuple(lengths),
-    )
+    text_of = torch.repeat_interleave(torch.arange(len(lengths)), counts, output_size=n)  # [N] each token's text
+    positions = torch.arange(n) - starts[text_of]
+    return [counts, positions, text_of * longest + positions, starts + counts - 1]
+
+
+def assemble(parts: Sequence[torch.Tensor], lengths: Sequence[int]) -> Packed:
+    """`layout_parts`' tensors, moved, as a `Packed`; `last_sees` is drawn where they are (the device)."""
+    counts, positions, slots, last = parts
+    last_sees = torch.arange(max(lengths), device=counts.device) < counts[:, None]  # [texts, longest]
+    return Packed(positions[None], slots, last[None], last_sees[:, None, None, :], tuple(lengths))
+
+
+def pack(lengths: Sequence[int], device: torch.device | str | None = None) -> Packed:
+    """The layout of texts of these lengths packed one after another (built on the CPU, then moved in one copy)."""
+    return assemble(to_device(layout_parts(lengths), device), lengths)
 
 
 def pack_ids(
     token_lists: Sequence[Sequence[int]], device: torch.device | str | None = None
 ) -> tuple[torch.Tensor, Packed]:
-    """Token-id lists -> the packed stream [1, N] of their ids and its layout."""
+    """Token-id lists -> the packed stream [1, N] of their ids and its layout (one copy to `device`)."""
     ids = torch.tensor([t for tokens in token_lists for t in tokens], dtype=torch.long)
-    return ids.unsqueeze(0).to(device), pack([len(t) for t in token_lists], device)
+    lengths = [len(t) for t in token_lists]
+    ids, *parts = to_device([ids, *layout_parts(lengths)], device)
+    return ids[None], assemble(parts, lengths)
 
 
 # Query rows: [B, R] positions per batch row, or slice(-1, None), the last position of every row (known without

@@ -50,18 +50,24 @@ def _evaluate(model: nn.Module, split: TokenizedSplit, s: EvalSettings, strategy
         if k >= len(batches):
             continue
         loss_sum += F.cross_entropy(logits, batch["labels"], reduction="sum").double()
-        flat = batch["labels"] * num_classes + logits.argmax(-1)
-        confusion += torch.bincount(flat, minlength=num_classes**2).view(num_classes, num_classes).double()
-    totals = strategy.all_sum(torch.cat([loss_sum.view(1), confusion.flatten()]))
+        confusion += count_pairs(batch["labels"], logits.argmax(-1), num_classes)
+    totals = strategy.all_sum(torch.cat([loss_sum.view(1), confusion.flatten()])).tolist()  # the one read
     model.train(was_training)
-    confusion = totals[1:].view(num_classes, num_classes).cpu()
-    n = confusion.sum().item()
+    matrix = [[int(c) for c in totals[1 + k * num_classes : 1 + (k + 1) * num_classes]] for k in range(num_classes)]
+    n = sum(map(sum, matrix))
     return {
-        "loss": totals[0].item() / max(n, 1),
-        "accuracy": confusion.diag().sum().item() / max(n, 1),
-        "confusion": confusion.long().tolist(),
-        "count": int(n),
+        "loss": totals[0] / max(n, 1),
+        "accuracy": sum(matrix[k][k] for k in range(num_classes)) / max(n, 1),
+        "confusion": matrix,
+        "count": n,
     }
+
+
+def count_pairs(true: torch.Tensor, predicted: torch.Tensor, num_classes: int) -> torch.Tensor:
+    """[num_classes, num_classes] float64 counts of each (true, predicted) pair: one-hot rows multiplied, not
+    `bincount`, which on a GPU reads its input's largest value back to size its output (a host sync a batch)."""
+    classes = torch.arange(num_classes, device=true.device)
+    return (true[:, None] == classes).double().T @ (predicted[:, None] == classes).double()
 
 
 def per_class(confusion: list[list[int]], label_names: list[str]) -> dict[str, dict]:

@@ -20,6 +20,7 @@ from tqdm.auto import tqdm
 
 from ..checkpoints import resume
 from ..data.batching import TokenizedSplit, forward, to_batch
+from ..model.packing import to_device
 from ..parallel.strategy import Processes, Replicated, Strategy, optimizer_kernels, unwrap
 from .evaluation import evaluate
 from .interrupts import interrupts_deferred
@@ -227,17 +228,30 @@ RESUME_FILE = "resume.safetensors"
 RESUME_DIR = "resume.sharded"  # under --shard: one part per process (sharding.write_parts)
 
 
+def class_weight(s: TrainSettings, device: torch.device) -> torch.Tensor | None:
+    """The loss's class weights on the device (None: all equal), copied once without waiting (packing.to_device)."""
+    return None if s.class_weights is None else to_device([torch.tensor(s.class_weights)], device)[0]
+
+
 def train_step(
-    model: nn.Module, split: TokenizedSplit, step_rows: list[list[int]], s: TrainSettings, strategy: Strategy
+    model: nn.Module,
+    split: TokenizedSplit,
+    step_rows: list[list[int]],
+    s: TrainSettings,
+    strategy: Strategy,
+    weight: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, int]:
-    """Forward and backward over one optimizer step's micro-batches, gradients accumulating.
+    """Forward and backward over one optimizer step's micro-batches, gradients accumulating. `weight`: the class
+    weights on the device (`class_weight`; made here when not given).
 
     Returns this process's (loss x rows, correct, rows) for the step, kept on the device so that nothing waits
-    for the GPU here, and the tokens the step trained on (all processes), counted on the host from the lengths.
+    for the GPU here (nothing is copied to the device either, but each micro-batch's one non-blocking copy), and
+    the tokens the step trained on (all processes), counted on the host from the lengths.
     """
     device = strategy.device
     sums = torch.zeros(3, dtype=torch.float64, device=device)
-    weight = None if s.class_weights is None else torch.tensor(s.class_weights, device=device)
+    if weight is None and s.class_weights is not None:
+        weight = class_weight(s, device)
     tokens = 0
     for j, rows in enumerate(step_rows):
         batch = to_batch(split, rows, s.padding_side, device)
@@ -247,21 +261,21 @@ def train_step(
             micro = F.cross_entropy(logits.float(), batch["labels"], weight=weight) / s.grad_accum
             micro.backward()
         correct = (logits.argmax(-1) == batch["labels"]).sum()
-        sums += torch.stack(
-            [micro.detach().double() * s.grad_accum * len(rows), correct.double(), sums.new_tensor(len(rows))]
-        )
+        sums[:2] += torch.stack([micro.detach().double() * s.grad_accum * len(rows), correct.double()])
+        sums[2] += len(rows)  # a number the kernel is given: no tensor made on the host and copied
         tokens += sum(len(split.ids[i]) for i in rows) * strategy.processes.world_size
     return sums, tokens
 
 
-def check_finite(totals: list[float], state: TrainState, resume_path: Path) -> None:
+def check_finite(totals: list[float], state: TrainState, resume_path: Path, world_size: int = 1) -> None:
     """Stop on a non-finite loss or gradient norm, summed over all processes: one process's NaN is everyone's, so all
-    stop together instead of some waiting forever in a collective."""
-    loss_sum, _, rows, norm = totals
-    if not (math.isfinite(loss_sum) and math.isfinite(norm)):
+    stop together instead of some waiting forever in a collective. Every process holds the whole model's norm
+    (DDP's gradients are averaged, a sharded one is `full_norm`), so the sum is `world_size` times it."""
+    loss_sum, _, rows, norm_sum = totals
+    if not (math.isfinite(loss_sum) and math.isfinite(norm_sum)):
         raise TrainingDiverged(
-            f"the loss became {loss_sum / max(rows, 1)} (gradient norm {norm}) at step {state.step + 1}, epoch "
-            f"{state.epoch + 1}; try a lower --lr. The last good resume point is {resume_path}."
+            f"the loss became {loss_sum / max(rows, 1)} (gradient norm {norm_sum / world_size}) at step "
+            f"{state.step + 1}, epoch {state.epoch + 1}; try a lower --lr. The last good resume point is {resume_path}."
         )
 
 
@@ -331,13 +345,14 @@ def train_epoch(loop: Loop, split: TokenizedSplit, state: TrainState) -> bool:
     started = time.perf_counter()
     # Resumed after the run's last step but before that epoch's end was recorded: nothing left to step.
     todo = range(state.batches_done, len(batches), s.grad_accum) if state.step < loop.total else range(0)
+    weight = class_weight(s, strategy.device)  # once an epoch, not once a step
     for k in todo:
-        sums, tokens = train_step(loop.model, split, batches[k : k + s.grad_accum], s, strategy)
+        sums, tokens = train_step(loop.model, split, batches[k : k + s.grad_accum], s, strategy, weight)
         params = [p for p in loop.model.parameters() if p.requires_grad]
         norm = nn.utils.clip_grad_norm_(params, s.clip_grad if s.clip_grad > 0 else float("inf"))
         norm = strategy.full_norm(norm.detach()).to(sums).view(1)  # sharded: the norm of all the rows
         totals = strategy.all_sum(torch.cat([sums, norm])).tolist()  # one sync a step
-        check_finite(totals, state, loop.resume_path)
+        check_finite(totals, state, loop.resume_path, strategy.processes.world_size)
         with interrupts_deferred():  # weights, optimizer, schedule and counters move together
             loop.optimizer.step()
             loop.scheduler.step()

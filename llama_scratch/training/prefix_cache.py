@@ -15,7 +15,7 @@ from tqdm.auto import tqdm
 
 from ..data.batching import TokenizedSplit, collate, length_sorted_batches
 from ..model.classifier import LlamaClassifier
-from ..model.packing import pack_ids
+from ..model.packing import pack_ids, to_device
 from ..parallel.strategy import Replicated, Strategy
 from ..sources.devices import free_memory, memory_budget
 
@@ -72,7 +72,7 @@ def compute_frozen_states(
                 out = layout.split(clf.frozen_prefix(ids, packed=layout))
             else:
                 batch = collate([(token_lists[i], 0) for i in rows], pad_id)
-                ids, mask = batch["input_ids"].to(device), batch["attention_mask"].to(device)
+                ids, mask = to_device([batch["input_ids"], batch["attention_mask"]], device)  # one copy
                 x = clf.frozen_prefix(ids, mask, padding_side="right")
                 out = [x[row, : len(token_lists[i])] for row, i in enumerate(rows)]
             for i, s in zip(rows, out, strict=True):
