@@ -17,7 +17,6 @@ from pathlib import Path
 
 import torch
 
-from .checkpoints.resume import read_point
 from .checkpoints.run_record import WEIGHTS_FILE, RunRecord, new_record
 from .data.batching import TokenizedSplit, default_max_length, encode_texts
 from .data.labelled import DataWarning, LabelledTexts, load_dataset
@@ -359,21 +358,17 @@ def kept_epoch(state: TrainState) -> str:
 
 def check_resume_point(job: Job, settings: TrainSettings) -> None:
     """--resume: refuse a resume point of another run now, with everything known before the weights load (the
-    loop checks again when it reads the point, with the max length as well). Rank 0 reads; all refuse alike. A
-    point of the other kind (sharded or not) is refused by name here too, before the weights load."""
+    loop checks again when it reads the point, with the max length as well). Every process gets the point's JSON
+    (strategy.read_resume: rank 0's, or each its part's, agreed on), so all refuse alike, on machines that do not
+    share rank 0's disk too. A point of the other kind (sharded or not) is refused by name here too."""
     strategy, out = job.strategy, job.out
-
-    def check() -> None:
-        where = strategy.resume_location(out / RESUME_FILE, out / RESUME_DIR, resuming=True)
-        path = strategy.resume_part(where)
-        if not path.is_file():
-            return
-        identity = {"world_size": strategy.processes.world_size, **run_identity(job, job.args.max_length)}
-        if job.args.max_length is None:  # known once the texts are tokenized
-            identity.pop("max_length")
-        check_same_run(path, read_point(path, tensors=False), settings, identity, partial=True)
-
-    strategy.on_main(check)
+    found = strategy.read_resume(out / RESUME_FILE, out / RESUME_DIR, tensors=False)
+    if found is None:
+        return
+    identity = {"world_size": strategy.processes.world_size, **run_identity(job, job.args.max_length)}
+    if job.args.max_length is None:  # known once the texts are tokenized
+        identity.pop("max_length")
+    check_same_run(found[0], found[1], settings, identity, partial=True)
 
 
 def classifier_meta(

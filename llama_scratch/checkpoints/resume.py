@@ -66,7 +66,7 @@ def _decode(value, tensors):
     if not isinstance(value, dict):
         return value
     if value.keys() == {"__tensor__"}:
-        return tensors.get_tensor(value["__tensor__"])
+        return tensors[value["__tensor__"]]
     if value.keys() == {"__tuple__"}:
         return tuple(_decode(v, tensors) for v in value["__tuple__"])
     if value.keys() == {"__int_keys__"}:
@@ -92,17 +92,33 @@ def write_point(path: Path, trained: dict[str, torch.Tensor], optimizer, schedul
     return write_safetensors(path, tensors_to_write(tensors), metadata)
 
 
-def read_point(path: Path, tensors: bool = True) -> dict:
-    """The record `write_point` wrote, tensors included (or, with `tensors=False`, only its JSON: counters, settings
-    and identity, read from the header without touching the tensors' bytes). Never unpickles."""
+def read_raw(path: Path, tensors: bool = True) -> tuple[dict, dict[str, torch.Tensor]]:
+    """The JSON record `write_point` wrote and the file's tensors by name (none with `tensors=False`: only the
+    header is read), not yet put together: the form rank 0 sends to processes that do not see its disk, JSON as
+    bytes and tensors one by one (strategy.Replicated.read_resume). Never unpickles."""
     try:
         with safe_open(path, framework="pt") as f:
             record = json.loads((f.metadata() or {}).get("llama_scratch", "null"))
             if not isinstance(record, dict) or record.get("format") != FORMAT:
                 raise ResumeError(f"{path} is not a llama_scratch resume point ({FORMAT})")
-            return _decode(record, f) if tensors else record
+            return record, ({name: f.get_tensor(name) for name in f.keys()} if tensors else {})  # noqa: SIM118
     except (SafetensorError, OSError, ValueError, KeyError, TypeError, AttributeError) as e:
         raise ResumeError(f"{path} is not a readable resume point: {e}") from None
+
+
+def decode(record: dict, tensors: dict[str, torch.Tensor], path: Path) -> dict:
+    """`read_raw`'s record with each tensor reference replaced by its tensor."""
+    try:
+        return _decode(record, tensors)
+    except (KeyError, TypeError, AttributeError) as e:
+        raise ResumeError(f"{path} is not a readable resume point: {e!r}") from None
+
+
+def read_point(path: Path, tensors: bool = True) -> dict:
+    """The record `write_point` wrote, tensors included (or, with `tensors=False`, only its JSON: counters, settings
+    and identity, read from the header without touching the tensors' bytes). Never unpickles."""
+    record, named = read_raw(path, tensors)
+    return decode(record, named, path) if tensors else record
 
 
 def check_same_run(path: Path, saved: dict, now: dict) -> None:

@@ -9,6 +9,7 @@ The rest of the package does not call these: it asks the strategy, which calls t
 from __future__ import annotations
 
 import inspect
+import json
 import os
 from dataclasses import dataclass
 from datetime import timedelta
@@ -21,6 +22,11 @@ from torch.nn.parallel import DistributedDataParallel
 from ..sources.devices import DeviceError, resolve_device
 
 COLLECTIVE_TIMEOUT = timedelta(hours=2)
+
+# A gloo group over the same processes, made once by `setup`: small votes (stop at this step?) and host tensors (a
+# resume point rank 0 read) go through it on the CPU. The default group is nccl's on GPUs, whose collectives take
+# device tensors: a vote there would make the host wait for the GPU every step.
+_host_group: dist.ProcessGroup | None = None
 
 
 @dataclass(frozen=True)
@@ -66,6 +72,9 @@ def setup(device: str | None = None) -> tuple[Processes, torch.device]:
         # Other ranks wait while rank 0 alone downloads a checkpoint or writes a resume point (all of an 8B model's
         # optimizer state is tens of GB): allow that far longer than torch's default of 10 minutes.
         dist.init_process_group(backend, device_id=dev if dev.type == "cuda" else None, timeout=COLLECTIVE_TIMEOUT)
+    global _host_group
+    if processes.several and _host_group is None:  # every process makes it, at the same point (new_group's rule)
+        _host_group = dist.new_group(backend="gloo", timeout=COLLECTIVE_TIMEOUT)
     return processes, dev
 
 
@@ -216,3 +225,52 @@ def broadcast_parameters(params: list[torch.Tensor]) -> None:
     if dist.is_initialized():
         for p in params:
             dist.broadcast(p.data, src=0)
+
+
+def host_group() -> dist.ProcessGroup:
+    """The gloo group `setup` made (see `_host_group`)."""
+    if _host_group is None:
+        raise RuntimeError("the processes' host group is made by distributed.setup (strategy.choose_strategy)")
+    return _host_group
+
+
+def host_sum(values: list[int]) -> list[int]:
+    """Element-wise sum of a few integers over every process, on the host: for votes (how many processes were asked
+    to stop, or see a file), which cost no GPU sync however often they are taken. Alone: `values` themselves."""
+    if not dist.is_initialized():
+        return list(values)
+    counts = torch.tensor(values, dtype=torch.int64)
+    dist.all_reduce(counts, op=dist.ReduceOp.SUM, group=host_group())
+    return counts.tolist()
+
+
+def broadcast_json(value=None):
+    """Rank 0's `value` (anything JSON holds) on every process, sent as its UTF-8 bytes in a uint8 tensor (its
+    length first): nothing is unpickled, whatever rank 0 read from a file."""
+    if not dist.is_initialized():
+        return value
+    data = json.dumps(value).encode() if dist.get_rank() == 0 else b""
+    size = torch.tensor([len(data)], dtype=torch.int64)
+    dist.broadcast(size, src=0, group=host_group())
+    payload = torch.empty(int(size), dtype=torch.uint8)
+    if data:
+        payload.copy_(torch.frombuffer(bytearray(data), dtype=torch.uint8))
+    dist.broadcast(payload, src=0, group=host_group())
+    return json.loads(payload.numpy().tobytes())
+
+
+def broadcast_tensors(tensors: dict[str, torch.Tensor] | None) -> dict[str, torch.Tensor]:
+    """Rank 0's named CPU tensors (`tensors`, None elsewhere) on every process, one broadcast each over the host
+    group: their names, dtypes and shapes go first as JSON, then each tensor's bytes (any dtype, as uint8)."""
+    main = dist.get_rank() == 0
+    shapes = {k: [str(t.dtype).removeprefix("torch."), list(t.shape)] for k, t in tensors.items()} if main else None
+    layout = broadcast_json(shapes)
+    received = {}
+    for name, (dtype, shape) in layout.items():
+        kind = getattr(torch, dtype)
+        if not isinstance(kind, torch.dtype):
+            raise ValueError(f"rank 0 sent tensor {name} of an unknown dtype {dtype!r}")
+        tensor = tensors[name].contiguous() if main else torch.empty(shape, dtype=kind)
+        dist.broadcast(tensor.reshape(-1).view(torch.uint8), src=0, group=host_group())  # a view: fills `tensor`
+        received[name] = tensor
+    return received

@@ -385,16 +385,18 @@ def write_parts(directory: Path, processes: Processes, write_part) -> None:
         done = [int(d.name.removeprefix("point-")) for d in directory.iterdir() if POINT.fullmatch(d.name)]
         new = directory / f"point-{max(done, default=0) + 1:08d}"
         new.mkdir()
-    new = Path(distributed.broadcast_object(None if new is None else str(new)))
+    new = directory / distributed.broadcast_json(None if new is None else new.name)  # in this process's `directory`
     new.mkdir(parents=True, exist_ok=True)  # a machine that does not share rank 0's disk
     write_part(new / part_name(processes))
     distributed.barrier()
-    complete = len([f for f in new.iterdir() if PART.fullmatch(f.name)]) == processes.world_size
-    distributed.barrier()  # every process has looked before rank 0 moves on
-    if not complete:  # every process sees alike, and raises alike
+    # Rank 0 alone counts, and its count is everyone's: processes counting each on its own can disagree (NFS caches
+    # directory listings), and those that raised would leave the others waiting. By name: NFS asks the server.
+    parts = [new / part_name(Processes(r, world_size=processes.world_size)) for r in range(processes.world_size)]
+    missing = distributed.host_sum([sum(not f.is_file() for f in parts) if processes.is_main else 0])[0]
+    if missing:  # every process raises alike
         raise ResumeError(
-            f"{new} does not hold every process's part: a sharded run's --output must be on a disk that "
-            "every machine shares"
+            f"{new} lacks {missing} of the {processes.world_size} processes' parts: a sharded run's --output must "
+            "be on a disk that every machine sees"
         )
     if processes.is_main:
         write_text_atomic(directory / CURRENT, new.name + "\n")

@@ -27,6 +27,8 @@ from typing import TYPE_CHECKING, TypeVar
 import torch
 from torch import nn
 
+from ..checkpoints import resume
+from ..checkpoints.resume import ResumeError
 from ..checkpoints.weights import copy_named_file, save_weights
 from ..model.classifier import LlamaClassifier
 from ..model.lora import LoRASettings
@@ -136,6 +138,13 @@ class Strategy(ABC):
         """Element-wise sum over the processes (the values themselves alone)."""
         return distributed.all_sum(values) if self.processes.several else values
 
+    def stop_agreed(self, asked: bool) -> bool:
+        """Whether any process was asked to stop (Ctrl-C, SIGTERM: `asked` is this one's), on every process alike:
+        one vote at a step's end, so that all stop at the same step and save together (a process stopping alone
+        would save through collectives the others never reach). The vote is a sum of one integer on the host
+        group (gloo, on the CPU): it makes no process wait for its GPU."""
+        return distributed.host_sum([int(asked)])[0] > 0 if self.processes.several else asked
+
     def least_room(self, room: int) -> int:
         """The bytes each process may spend, alike on every process: a decision all must take alike (say, whether
         to cache), since a process that decides otherwise would wait in a collective the others skip. The
@@ -218,6 +227,12 @@ class Strategy(ABC):
         process. Resuming, a point of the other kind is refused by name (sharding.resume_location)."""
 
     @abstractmethod
+    def read_resume(self, single: Path, parts: Path, tensors: bool = True) -> tuple[Path, dict] | None:
+        """--resume: the point this run continues from, as (the file read, resume.read_point's record: only its JSON
+        without `tensors`), or None when none was saved; alike on every process, which need not see rank 0's disk.
+        A point of the other kind is refused by name (resume_location). Every process calls it."""
+
+    @abstractmethod
     def resume_part(self, where: Path) -> Path:
         """The file this process reads from the resume point at `where` (it may not exist: nothing was saved)."""
 
@@ -291,7 +306,40 @@ class Replicated(Strategy):
         return sharding.resume_location(single, parts, sharded=False, resuming=resuming)
 
     def resume_part(self, where: Path) -> Path:
-        return where  # one file, written by rank 0, read by every process
+        return where  # one file, written by rank 0, read by rank 0 (read_resume)
+
+    def read_resume(self, single: Path, parts: Path, tensors: bool = True) -> tuple[Path, dict] | None:
+        """Rank 0 alone looks and reads (the other processes may be on machines that do not see its disk, where
+        only rank 0 wrote), then sends what it found: the record as JSON bytes, the tensors by broadcast, never a
+        pickle. Rank 0's refusal is every process's."""
+
+        def look() -> tuple[Path, dict, dict[str, torch.Tensor]] | None:
+            where = self.resume_location(single, parts, resuming=True)
+            return (where, *resume.read_raw(where, tensors)) if where.is_file() else None
+
+        found = look() if not self.processes.several else self._sent_from_main(look)
+        if found is None:
+            return None
+        where, record, named = found
+        return where, resume.decode(record, named, where) if tensors else record
+
+    def _sent_from_main(self, look: Callable[[], tuple | None]) -> tuple | None:
+        """`look()`'s (path, JSON record, tensors) or None, run on rank 0 and sent to every process (its error too)."""
+        found, error, head = None, None, None
+        if self.is_main:
+            try:
+                found = look()
+                head = None if found is None else {"where": str(found[0]), "record": found[1]}
+            except Exception as e:  # noqa: BLE001 -- told to every process, which each raise it
+                error, head = e, {"error": str(e)}
+        head = distributed.broadcast_json(head)
+        if error is not None:
+            raise error
+        if head is not None and "error" in head:
+            raise ResumeError(head["error"])
+        if head is None:
+            return None
+        return Path(head["where"]), head["record"], distributed.broadcast_tensors(found[2] if found else None)
 
     def save_point(self, where: Path, write: Callable[[Path], None]) -> None:
         if self.is_main:  # the replicas are equal: rank 0's is the run's
@@ -370,6 +418,29 @@ class Sharded(Strategy):
     def resume_part(self, where: Path) -> Path:
         """This process's part of the complete point (sharding.part_path)."""
         return sharding.part_path(where, self.processes) if where.exists() else where
+
+    def read_resume(self, single: Path, parts: Path, tensors: bool = True) -> tuple[Path, dict] | None:
+        """Each process reads its own part (no process holds the others' rows), then one vote: all found theirs,
+        all found none, or all failed alike (say, a point of another number of processes), or every process
+        refuses in the same line: the processes do not see the same files."""
+        found, error = None, None
+        try:
+            where = self.resume_location(single, parts, resuming=True)
+            part = self.resume_part(where)
+            found = (part, resume.read_point(part, tensors)) if part.is_file() else None
+        except ResumeError as e:
+            error = e
+        failed, seen = distributed.host_sum([error is not None, found is not None])
+        n = self.processes.world_size
+        if failed == n and error is not None:
+            raise error
+        if failed == 0 and seen in (0, n):
+            return found
+        raise ResumeError(
+            f"{parts}: {seen} of {n} processes found their part of the resume point, {failed} could not read it and "
+            f"{n - seen - failed} found none: under --shard each process reads its own part, so --output must be "
+            "on a disk that every machine sees"
+        )
 
     def save_point(self, where: Path, write: Callable[[Path], None]) -> None:
         """Every process writes its rows (sharding.write_parts: a numbered point, named once complete)."""

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import math
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import ClassVar
@@ -23,7 +24,7 @@ from ..data.batching import TokenizedSplit, forward, to_batch
 from ..model.packing import to_device
 from ..parallel.strategy import Processes, Replicated, Strategy, optimizer_kernels, unwrap
 from .evaluation import evaluate
-from .interrupts import interrupts_deferred
+from .interrupts import interrupts_deferred, stops_noted
 from .optim import MasterWeightAdamW
 
 
@@ -78,6 +79,15 @@ class TrainState:
 
 class TrainingDiverged(RuntimeError):
     pass
+
+
+class StopAgreed(KeyboardInterrupt):
+    """Raised by every process at the same step's end when one was asked to stop (Strategy.stop_agreed): all save
+    together. `saved`: the point was saved at that step already (an epoch's end)."""
+
+    def __init__(self, saved: bool = False) -> None:
+        super().__init__()
+        self.saved = saved
 
 
 # ---------------------------------------------------------------------------------------------- batches
@@ -199,12 +209,14 @@ def load_resume_point(
     settings: TrainSettings,
     identity: dict,
     strategy: Strategy | None = None,
+    record: dict | None = None,
 ) -> TrainState:
     """Continue from `path`, refusing (by name) any setting, data or model that differs from the saved run's.
     `strategy` makes the saved tensors like the parameters (a sharded process's rows: DTensors again); the
-    default, one process, takes them whole as saved."""
+    default, one process, takes them whole as saved. `record`: the point already read (Strategy.read_resume,
+    which under several processes is how those that do not see `path` get it); read from `path` when None."""
     strategy = strategy or Replicated()
-    record = resume.read_point(path)
+    record = resume.read_point(path) if record is None else record
     try:
         state = {k: v for k, v in record["state"].items() if k in {f.name for f in fields(TrainState)}}
         defaults = asdict(TrainState())  # a counter this version dropped is ignored; a new one starts at its default
@@ -325,11 +337,27 @@ class Loop:
     total: int  # optimizer steps the schedule runs for
     resume_path: Path
     identity: dict
+    asked: Callable[[], bool] = lambda: False  # whether this process was asked to stop (interrupts.stops_noted)
 
     def save_point(self, state: TrainState) -> None:
         """Called by every process: sharded, each writes its rows; replicated, rank 0 writes."""
         parts = (self.model, self.optimizer, self.scheduler, state, self.s, self.identity)
         self.strategy.save_point(self.resume_path, lambda file: save_resume_point(file, *parts))
+
+    def stop_if_asked(self, saved: bool = False) -> None:
+        """At a step's end: every process stops here (StopAgreed) when any was asked to (one vote on the host)."""
+        if self.strategy.stop_agreed(self.asked()):
+            raise StopAgreed(saved)
+
+    def saved_on_interrupt(self, state: TrainState, interrupt: KeyboardInterrupt) -> bool:
+        """The resume point an interrupt leaves: saved by every process when they agreed to stop (or one process
+        was stopped); a process stopped alone among several (a second signal) saves nothing, since a save that
+        the others do not join could wait for them forever."""
+        if isinstance(interrupt, StopAgreed) or not self.strategy.processes.several:
+            if not getattr(interrupt, "saved", False):
+                self.save_point(state)
+            return True
+        return False
 
 
 def train_epoch(loop: Loop, split: TokenizedSplit, state: TrainState) -> bool:
@@ -366,6 +394,7 @@ def train_epoch(loop: Loop, split: TokenizedSplit, state: TrainState) -> bool:
             state.train_seconds, started = state.train_seconds + now - started, now
         bar.update(1)
         bar.set_postfix(loss=f"{totals[0] / max(totals[2], 1):.4f}", lr=f"{loop.scheduler.get_last_lr()[0]:.2e}")
+        loop.stop_if_asked()  # before the periodic save: a stop saves this step itself (train)
         if state.step % s.save_every == 0:
             loop.save_point(state)
         if state.step >= loop.total:
@@ -408,31 +437,37 @@ def train(
     optimizer = make_optimizer(model, s)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: lr_factor(step, total, s))
     identity = {"world_size": strategy.processes.world_size, **(run_identity or {})}
-    where = strategy.resume_location(out_dir / RESUME_FILE, out_dir / RESUME_DIR, resume)
+    where = strategy.resume_location(out_dir / RESUME_FILE, out_dir / RESUME_DIR, resuming=False)
     loop = Loop(model, optimizer, scheduler, s, strategy, total, where, identity)
     state = TrainState()
-    point = strategy.resume_part(where)
-    if resume and point.exists():
-        state = load_resume_point(point, model, optimizer, scheduler, s, identity, strategy)
+    # Alike on every process, which need not share rank 0's disk (rank 0 reads and sends, or all agree).
+    found = strategy.read_resume(out_dir / RESUME_FILE, out_dir / RESUME_DIR) if resume else None
+    if found is not None:
+        state = load_resume_point(found[0], model, optimizer, scheduler, s, identity, strategy, record=found[1])
         log(f"resuming from {loop.resume_path}: epoch {state.epoch + 1}, step {state.step}")
     elif resume:
         log(f"--resume: no resume point at {loop.resume_path}; starting from the beginning")
     model.train()
-    try:
-        while more_to_do(state, s, total):
-            complete = train_epoch(loop, splits["train"], state)
-            val = evaluate(model, splits["val"], s, strategy, "evaluating val")
-            with interrupts_deferred():  # the epoch's record, best weights and resume point: all or nothing
-                finish_epoch(state, val, complete, on_best, log)
-                loop.save_point(state)
-            if not complete:
-                break  # max_steps reached inside the epoch
-            if patience_spent(state, s):
-                log(f"stopping early: no better validation result in the last {s.patience} epoch(s) (--patience)")
-                break
-    except KeyboardInterrupt:
-        # Gradients of an unfinished step are discarded: the saved point is the last whole step.
-        loop.save_point(state)
-        log(f"\ninterrupted at step {state.step}: progress saved to {loop.resume_path}")
-        raise
+    with stops_noted(strategy.processes.several) as asked:
+        loop.asked = asked
+        try:
+            while more_to_do(state, s, total):
+                complete = train_epoch(loop, splits["train"], state)
+                val = evaluate(model, splits["val"], s, strategy, "evaluating val")
+                with interrupts_deferred():  # the epoch's record, best weights and resume point: all or nothing
+                    finish_epoch(state, val, complete, on_best, log)
+                    loop.save_point(state)
+                loop.stop_if_asked(saved=True)  # asked during the evaluation: stopped here, not a step later
+                if not complete:
+                    break  # max_steps reached inside the epoch
+                if patience_spent(state, s):
+                    log(f"stopping early: no better validation result in the last {s.patience} epoch(s) (--patience)")
+                    break
+        except KeyboardInterrupt as interrupt:
+            # Gradients of an unfinished step are discarded: the saved point is the last whole step.
+            if loop.saved_on_interrupt(state, interrupt):
+                log(f"\ninterrupted at step {state.step}: progress saved to {loop.resume_path}")
+            else:
+                log(f"\nstopped at step {state.step} without saving: {loop.resume_path} holds the last resume point")
+            raise
     return state
