@@ -40,6 +40,9 @@ from .activations import (
 
 GiB = 2**30
 OPTIMIZER_STATES = ("param", "float32")  # see train.make_optimizer
+QUANTIZE = {"nf4": "NF4", "int8": "int8"}  # --quantize's choices, as the report names them
+NF4_BLOCK = 64  # NF4: one scale per this many weights
+SCALE_BYTES = 4  # every scale, NF4's per block and int8's per output row, is a float32
 
 
 # Several GPUs: NCCL's own buffers and communicators, outside PyTorch's allocator (NVLS on an NVSwitch node such as
@@ -73,6 +76,7 @@ class PlanInputs:
     grad_accum: int = 1  # >1: gradients stay allocated through the next micro-batch's forward
     device_type: str = "cuda"  # "cuda": the flash attention layout; "cpu": what CPU kernels do
     lora: LoRASettings | None = None  # adapters in the trained blocks, whose own weights and norms stay frozen
+    quantize: str | None = None  # "nf4" or "int8": the frozen linear weights held in 4 or 8 bits (--quantize)
 
     def __post_init__(self) -> None:
         if self.optimizer_state not in OPTIMIZER_STATES:
@@ -83,6 +87,13 @@ class PlanInputs:
             raise ValueError(
                 f"world size {self.world_size} must be a positive multiple of the {self.nodes} node(s): as many "
                 "processes on each node"
+            )
+        if self.quantize is not None and self.quantize not in QUANTIZE:
+            raise ValueError(f"quantize must be one of {tuple(QUANTIZE)} or None, got {self.quantize!r}")
+        if self.quantize is not None and self.shard:
+            raise ValueError(
+                "--quantize holds a whole quantized base on each GPU and --shard splits full-precision weights "
+                "across GPUs: plan one or the other"
             )
 
     @property
@@ -97,6 +108,17 @@ class PlanInputs:
     @property
     def trained_blocks(self) -> int:
         return len(trained_blocks(self.cfg.n_layers, self.train_last))
+
+
+def quantized_bytes(scheme: str, shapes: tuple[tuple[int, int], ...]) -> int:
+    """Bytes that `scheme` holds for linear weights of these (out, in) shapes: NF4 packs two 4-bit codes a byte and
+    keeps a float32 scale per block of NF4_BLOCK weights (a tensor's last block may be short); int8 holds a byte a
+    weight and a float32 scale per output row."""
+    if scheme == "nf4":
+        return sum(-(-o * i // 2) + SCALE_BYTES * -(-o * i // NF4_BLOCK) for o, i in shapes)
+    if scheme == "int8":
+        return sum(o * i + SCALE_BYTES * o for o, i in shapes)
+    raise ValueError(f"unknown quantization {scheme!r}; choose one of {tuple(QUANTIZE)}")
 
 
 def gathered_bytes(r: PlanInputs, counts: ParamCounts) -> tuple[int, int]:
@@ -151,6 +173,8 @@ class MemoryPlan:
     frozen_forward: int  # the transient peak of a frozen block's forward
     phases: dict[str, int] = field(default_factory=dict)
     gathered: int = 0  # sharded: whole parameters (and gradients) held beside the shards at once, at most
+    quantized: int = 0  # --quantize: the bytes of the frozen linear weights as quantized (within `weights`)
+    dequantized: int = 0  # --quantize: one frozen linear dequantized to the compute dtype, while it runs
 
     @property
     def persistent(self) -> int:
@@ -190,6 +214,8 @@ class MemoryPlan:
             "world_size": r.world_size,
             "nodes": r.nodes,
             "shard": r.shard,
+            "quantize": r.quantize,
+            "quantized_weights": self.quantized,
             **{k: getattr(self, k) for k in ("weights", "gradients", "optimizer_state")},
             **{k: getattr(self, k) for k in ("activations", "forward_work", "backward_work", "step_work")},
             "frozen_forward": self.frozen_forward,
@@ -320,10 +346,15 @@ def plan_memory(r: PlanInputs) -> MemoryPlan:
     backward = backward_peak(
         r, cfg, counts, activations, held, (last, kept_first, kept_per_block, full_first, full_rest)
     )
+    # --quantize: each frozen linear is dequantized to the compute dtype as it runs, one at a time; in backward
+    # only under LoRA, whose trained blocks' base weights are frozen (and so quantized) too.
+    quantized = quantized_bytes(r.quantize, counts.frozen_linears) if r.quantize else 0
+    in_dtype = counts.total - (sum(o * i for o, i in counts.frozen_linears) if r.quantize else 0)
+    dequantized = s * counts.largest_frozen_block_linear if r.quantize else 0
     phases = {
-        "frozen forward": frozen_work + held + gathered_forward,
-        "forward": activations + fwd_work + held + gathered_forward,
-        "backward": backward + gathered_backward,
+        "frozen forward": frozen_work + held + gathered_forward + dequantized,
+        "forward": activations + fwd_work + held + gathered_forward + dequantized,
+        "backward": backward + gathered_backward + (dequantized if r.lora is not None else 0),
         "optimizer step": grads + step_work,
     }
     if k == cfg.n_layers:
@@ -331,7 +362,7 @@ def plan_memory(r: PlanInputs) -> MemoryPlan:
     return MemoryPlan(
         inputs=r,
         counts=whole,
-        weights=s * counts.total + counts.buffer_bytes,
+        weights=s * in_dtype + quantized + counts.buffer_bytes,
         gradients=grads,
         optimizer_state=optimizer_state,
         activations=activations,
@@ -343,4 +374,6 @@ def plan_memory(r: PlanInputs) -> MemoryPlan:
         frozen_forward=frozen_work if k < cfg.n_layers else 0,
         phases=phases,
         gathered=max(gathered_forward, gathered_backward),
+        quantized=quantized,
+        dequantized=dequantized,
     )
