@@ -77,12 +77,8 @@ def format_plan(plan: MemoryPlan, gpu: tuple[str, int] | None = None) -> str:
         lines.append(f"  {name:<28}{_gib(n)}   {what}")
 
     share = f" / {r.shard_group or r.world_size} processes" if r.shard else ""
-    if r.quantize:
-        n = sum(o * i for o, i in c.frozen_linears)
-        row("weights", plan.weights, f"{c.total - n:,} x {s} B + {n:,} in {QUANTIZE[r.quantize]} + rotary tables")
-        row(f"  of which {QUANTIZE[r.quantize]}", plan.quantized, quantized_note(r.quantize))
-    else:
-        row("weights", plan.weights, f"{c.total:,} x {s} B{share} + rotary tables")
+    for name, n, what in weights_rows(plan, share):
+        row(name, n, what)
     row("optimizer state", plan.optimizer_state, f"{state}, {c.trainable:,} trained parameters{share}")
     row("gradients", plan.gradients, f"{c.trainable:,} x {s} B, {gradients_note(r, share)}")
     k = r.trained_blocks
@@ -92,13 +88,18 @@ def format_plan(plan: MemoryPlan, gpu: tuple[str, int] | None = None) -> str:
     else:
         what = f"the last block, run at each row's last token ({plan.last_block_activations / GiB:.2f} GiB)"
     row("activations", plan.activations, f"saved for backward: {what if k else 'final norm and head'}")
+    if plan.dequantized_saved:
+        what = "the quantized weights of the LoRA blocks, dequantized for the matmuls and kept for backward"
+        row("  of which weights", plan.dequantized_saved, what)
     if r.gradient_checkpointing and plan.block_activations:
         row("  + recomputed block", plan.block_activations, "one block's saved tensors, rebuilt during backward")
     if plan.frozen_forward:
         frozen = r.cfg.n_layers - r.trained_blocks
         row("frozen forward temporaries", plan.frozen_forward, f"{frozen} frozen block(s) save nothing; one at a time")
     if plan.dequantized:
-        row("dequantized weight", plan.dequantized, f"the largest frozen linear in {dtype}, while it runs")
+        row(
+            "dequantizing", plan.dequantized, f"the largest frozen linear to {dtype} and its temporaries, one at a time"
+        )
     if plan.gathered:
         row("gathered, at most", plan.gathered, "whole blocks (computed + prefetched) and a block's whole gradient")
     what = "a checkpointed block runs like a frozen one" if r.gradient_checkpointing else "float32 rotary arithmetic"
@@ -126,10 +127,18 @@ def format_plan(plan: MemoryPlan, gpu: tuple[str, int] | None = None) -> str:
     return "\n".join(lines + verdict_lines(plan, gpu))
 
 
-def quantized_note(scheme: str) -> str:
-    if scheme == "nf4":
-        return f"4-bit codes + a float32 scale per {NF4_BLOCK} weights"
-    return "a byte per weight + a float32 scale per output row"
+def weights_rows(plan: MemoryPlan, share: str) -> list[tuple[str, int, str]]:
+    """The table's weights row, and with --quantize the part of it held quantized."""
+    r, c, s = plan.inputs, plan.counts, plan.inputs.param_dtype.itemsize
+    if not r.quantize:
+        return [("weights", plan.weights, f"{c.total:,} x {s} B{share} + rotary tables")]
+    n, kind = sum(o * i for o, i in c.frozen_linears), QUANTIZE[r.quantize]
+    layout = f"4-bit codes + a float32 scale per {NF4_BLOCK} weights" if r.quantize == "nf4" else ""
+    layout = layout or "a byte per weight + a float32 scale per output row"
+    return [
+        ("weights", plan.weights, f"{c.total - n:,} x {s} B + {n:,} in {kind} + rotary tables"),
+        (f"  of which {kind}", plan.quantized, f"the frozen linear weights: {layout}"),
+    ]
 
 
 def gradients_note(r: PlanInputs, share: str) -> str:
