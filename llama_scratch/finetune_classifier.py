@@ -209,6 +209,7 @@ def replica_plan_inputs(job: Job) -> PlanInputs:
         grad_accum=args.grad_accum,
         device_type=job.strategy.device.type,
         lora=choice.lora,
+        quantize=args.quantize,
     )
 
 

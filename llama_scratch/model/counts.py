@@ -7,6 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+from torch import nn
 
 from .classifier import LlamaClassifier
 from .config import LlamaConfig
@@ -28,6 +29,11 @@ class ParamCounts:
     embedding: int
     largest_trainable: int  # elements of the largest trainable tensor
     buffer_bytes: int  # the rotary tables (float32, not in the checkpoint)
+    # (out, in) of each frozen linear weight of the backbone: the projections of frozen blocks, the base weights
+    # under LoRA adapters, an untied lm_head. What --quantize holds in 4 or 8 bits; embeddings, norms, the head and
+    # a tied lm_head (the embedding) stay in the parameter dtype.
+    frozen_linears: tuple[tuple[int, int], ...]
+    largest_frozen_block_linear: int  # elements of the largest of them a forward runs (not the lm_head)
 
 
 def count_parameters(
@@ -54,6 +60,8 @@ def count_parameters(
     trainable = list(clf.trainable_parameters().values())
     base = {n: p for n, p in clf.backbone.named_parameters() if not n.endswith(("lora_a", "lora_b"))}
     top = clf.backbone.blocks[-1]
+    linears = frozen_linears(clf)
+    in_blocks = [o * i for name, (o, i) in linears.items() if name.startswith("blocks.")]
     return ParamCounts(
         total=sum(numel(p) for p in clf.parameters()),
         backbone=sum(p.numel() for p in base.values()),
@@ -65,4 +73,17 @@ def count_parameters(
         embedding=clf.backbone.embed_tokens.weight.numel(),
         largest_trainable=max((numel(p) for p in trainable), default=0),
         buffer_bytes=sum(b.numel() * b.element_size() for b in clf.backbone.buffers()),
+        frozen_linears=tuple(linears.values()),
+        largest_frozen_block_linear=max(in_blocks, default=0),
     )
+
+
+def frozen_linears(clf: LlamaClassifier) -> dict[str, tuple[int, int]]:
+    """Name -> (out, in) of the backbone's frozen linear weights, a LoRA layer's base weight among them. A tied
+    lm_head is the embedding (not a linear's own weight) and the classification head is outside the backbone."""
+    embedding = clf.backbone.embed_tokens.weight
+    return {
+        name: tuple(module.weight.shape)
+        for name, module in clf.backbone.named_modules()
+        if isinstance(module, nn.Linear) and not module.weight.requires_grad and module.weight is not embedding
+    }

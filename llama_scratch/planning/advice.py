@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .memory import FP32, GiB, MemoryPlan, PlanInputs, plan_memory, with_margin
+from .memory import FP32, NF4_BLOCK, QUANTIZE, GiB, MemoryPlan, PlanInputs, plan_memory, with_margin
 
 STAGES = ("weights", "weights, state and gradients", "activations", "fits")  # in the order memory fills
 
@@ -58,6 +58,8 @@ def _flags(r: PlanInputs, changes: dict) -> str:
             flags.append("--gradient-checkpointing")
         elif key == "dtype":
             flags.append("--dtype " + str(value).removeprefix("torch."))
+        elif key == "quantize":
+            flags.append(f"--quantize {value}")
         else:
             flags.append(f"{names[key]} {value}")
     return " ".join(flags)
@@ -65,6 +67,17 @@ def _flags(r: PlanInputs, changes: dict) -> str:
 
 def replan(r: PlanInputs, changes: dict) -> MemoryPlan:
     return plan_memory(dataclasses.replace(r, **changes))
+
+
+def _quantized(plan: MemoryPlan) -> list[tuple[dict, MemoryPlan]]:
+    """The frozen linear weights in NF4 (--quantize nf4), a quarter of their bfloat16 bytes: tried where the
+    weights, or what stays allocated throughout, do not fit, when there are frozen linears and they are not already
+    NF4. Tried after the options that keep the weights exact, so that it is offered beside them."""
+    r, linears = plan.inputs, plan.counts.frozen_linears
+    whole = r.train_last is None and r.lora is None  # nothing frozen but the unused lm_head: refused
+    if r.quantize == "nf4" or whole or not linears or any(i % NF4_BLOCK for _, i in linears):
+        return []
+    return [({"quantize": "nf4"}, replan(r, {"quantize": "nf4"}))]
 
 
 def _largest(values: list[int], plan_with: Callable[[int], MemoryPlan], gpu_bytes: int) -> int | None:
@@ -131,13 +144,15 @@ def advise(plan: MemoryPlan, gpu_bytes: int) -> Advice:
     note = ""
     if stage == STAGES[0]:
         dtype = str(r.param_dtype).removeprefix("torch.")
-        problem = _exceeds(f"the {dtype} weights alone", plan.weights, gpu_bytes)
+        held = f"{dtype} and {QUANTIZE[r.quantize]}" if r.quantize else dtype
+        problem = _exceeds(f"the {held} weights alone", plan.weights, gpu_bytes)
         tried = [({"dtype": torch.bfloat16}, replan(r, {"dtype": torch.bfloat16}))] if dtype == "float32" else []
+        tried += _quantized(plan)
         note = "no setting helps on one GPU or under DDP (a whole copy per GPU): shard it across GPUs (--shard)"
     elif stage == STAGES[1]:
         fixed = plan.persistent + plan.phases["optimizer step"]
         problem = _exceeds("the weights, optimizer state and gradients", fixed, gpu_bytes) + ", before activations"
-        tried = _fewer_trained(plan, gpu_bytes)
+        tried = _fewer_trained(plan, gpu_bytes) + _quantized(plan)
     elif stage == STAGES[2]:
         problem = (
             f"the activations and temporaries of the {plan.peak_phase} ({in_gib(max(plan.phases.values()))}) on "
@@ -171,8 +186,9 @@ def shard_option(plan: MemoryPlan, gpu_bytes: int) -> tuple[str, int] | None:
         return None
     if n is None:
         return None
-    sharded = replan(r, {"shard": True, "world_size": n, "nodes": 1, "shard_group": None})
-    return f"--shard on {n} GPUs (torchrun, {n} processes)", sharded.required()
+    sharded = replan(r, {"shard": True, "world_size": n, "nodes": 1, "shard_group": None, "quantize": None})
+    instead = " without --quantize" if r.quantize else ""
+    return f"--shard on {n} GPUs (torchrun, {n} processes){instead}", sharded.required()
 
 
 def advice_lines(advice: Advice) -> list[str]:
@@ -200,7 +216,9 @@ def world_sizes(per_node: int = 8, most: int = 1024) -> list[int]:
 def smallest_world(r: PlanInputs, gpu_bytes: int, most: int = 1024) -> int | None:
     """The fewest processes (GPUs) over which a run of `r`, sharded, fits `gpu_bytes` each: 2, 4, 8, then whole
     nodes of 8 (or of `r`'s GPUs per node, when it spans several nodes). Bisection: each process's share
-    only shrinks as processes are added. None: not even `most`."""
+    only shrinks as processes are added. None: not even `most`. Sharded weights are full precision: a
+    --quantize of `r` is left out (memory.PlanInputs refuses the two together)."""
+    r = dataclasses.replace(r, quantize=None)
     sizes = world_sizes(r.per_node if r.nodes > 1 else 8, most)
     lo, hi, best = 0, len(sizes) - 1, None
     while lo <= hi:

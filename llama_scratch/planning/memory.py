@@ -32,6 +32,7 @@ from .activations import (
     backward_work,
     block_forward_work,
     block_saved_bytes,
+    dequantized_saved_elements,
     last_block_saved_bytes,
     norm_saved_bytes,
     outside_blocks_saved_bytes,
@@ -40,6 +41,9 @@ from .activations import (
 
 GiB = 2**30
 OPTIMIZER_STATES = ("param", "float32")  # see train.make_optimizer
+QUANTIZE = {"nf4": "NF4", "int8": "int8"}  # --quantize's choices, as the report names them
+NF4_BLOCK = 64  # NF4: one scale per this many weights
+SCALE_BYTES = 4  # every scale, NF4's per block and int8's per output row, is a float32
 
 
 # Several GPUs: NCCL's own buffers and communicators, outside PyTorch's allocator (NVLS on an NVSwitch node such as
@@ -73,6 +77,7 @@ class PlanInputs:
     grad_accum: int = 1  # >1: gradients stay allocated through the next micro-batch's forward
     device_type: str = "cuda"  # "cuda": the flash attention layout; "cpu": what CPU kernels do
     lora: LoRASettings | None = None  # adapters in the trained blocks, whose own weights and norms stay frozen
+    quantize: str | None = None  # "nf4" or "int8": the frozen linear weights held in 4 or 8 bits (--quantize)
 
     def __post_init__(self) -> None:
         if self.optimizer_state not in OPTIMIZER_STATES:
@@ -84,6 +89,15 @@ class PlanInputs:
                 f"world size {self.world_size} must be a positive multiple of the {self.nodes} node(s): as many "
                 "processes on each node"
             )
+        if self.quantize is not None and self.quantize not in QUANTIZE:
+            raise ValueError(f"quantize must be one of {tuple(QUANTIZE)} or None, got {self.quantize!r}")
+        if self.quantize is not None and self.shard:
+            raise ValueError(
+                "--quantize holds a whole quantized base on each GPU and --shard splits full-precision weights "
+                "across GPUs: plan one or the other"
+            )
+        if self.quantize is not None and self.train_last is None and self.lora is None:
+            raise ValueError("--quantize needs frozen weights: every block trains (--train-last all); add --lora RANK")
 
     @property
     def per_node(self) -> int:
@@ -97,6 +111,59 @@ class PlanInputs:
     @property
     def trained_blocks(self) -> int:
         return len(trained_blocks(self.cfg.n_layers, self.train_last))
+
+
+def quantized_bytes(scheme: str, shapes: tuple[tuple[int, int], ...]) -> int:
+    """Bytes that `scheme` holds for linear weights of these (out, in) shapes: NF4 packs two 4-bit codes a byte and
+    keeps a float32 scale per block of NF4_BLOCK weights (a tensor's last block may be short); int8 holds a byte a
+    weight and a float32 scale per output row."""
+    if scheme == "nf4":
+        if rows := [i for _, i in shapes if i % NF4_BLOCK]:
+            raise ValueError(
+                f"--quantize nf4 needs rows of a multiple of {NF4_BLOCK} weights; this model has {rows[0]}"
+            )
+        return sum(-(-o * i // 2) + SCALE_BYTES * -(-o * i // NF4_BLOCK) for o, i in shapes)
+    if scheme == "int8":
+        return sum(o * i + SCALE_BYTES * o for o, i in shapes)
+    raise ValueError(f"unknown quantization {scheme!r}; choose one of {tuple(QUANTIZE)}")
+
+
+def dequantizing_bytes(scheme: str, itemsize: int) -> int:
+    """Bytes a weight at the peak of dequantizing one linear for its matmul (model/quantize.py), the result in the
+    compute dtype (`itemsize`) included. NF4: the 4-bit indices as int64 (8), their float32 levels (4) and those
+    times the scales (4) are all alive when the product is cast (a float32 product is the result: no cast).
+    int8: the float32 values and their product with the scales (4 + 4), then the product and the result.
+    Measured live on the CPU: 18.06, 16.06 (NF4, bfloat16 and float32) and 8.0 (int8) bytes a weight."""
+    if scheme == "nf4":
+        return 16 + (itemsize if itemsize != FP32 else 0)
+    return max(8, FP32 + (itemsize if itemsize != FP32 else 0))
+
+
+@dataclass(frozen=True)
+class Quantized:
+    """What --quantize changes in a plan, in bytes (all 0 without it)."""
+
+    held: int = 0  # the frozen linear weights as stored: codes and scales
+    full_precision: int = 0  # elements of everything else, held in the parameter dtype
+    transient: int = 0  # the largest frozen linear of the blocks being dequantized, its temporaries included
+    saved_first: int = 0  # LoRA: dequantized weights the lowest trained block keeps for backward
+    saved_rest: int = 0  # ... and each block above it (its input needs a gradient)
+
+
+def quantized_parts(r: PlanInputs, counts: ParamCounts) -> Quantized:
+    """The weights as --quantize holds them (the frozen linears, counts.frozen_linears, quantized), the
+    dequantizing's transient and, under LoRA, the dequantized weights that the trained blocks save for backward."""
+    if r.quantize is None:
+        return Quantized(full_precision=counts.total)
+    s = r.param_dtype.itemsize
+    quantized = sum(o * i for o, i in counts.frozen_linears)
+    saved = (0, 0)
+    if r.lora is not None:
+        first = dequantized_saved_elements(r.cfg, r.lora.targets, r.train_last is None)  # the embedding's output
+        saved = (s * first, s * dequantized_saved_elements(r.cfg, r.lora.targets, True))
+    transient = dequantizing_bytes(r.quantize, s) * counts.largest_frozen_block_linear
+    held = quantized_bytes(r.quantize, counts.frozen_linears)
+    return Quantized(held, counts.total - quantized, transient, *saved)
 
 
 def gathered_bytes(r: PlanInputs, counts: ParamCounts) -> tuple[int, int]:
@@ -151,6 +218,9 @@ class MemoryPlan:
     frozen_forward: int  # the transient peak of a frozen block's forward
     phases: dict[str, int] = field(default_factory=dict)
     gathered: int = 0  # sharded: whole parameters (and gradients) held beside the shards at once, at most
+    quantized: int = 0  # --quantize: the bytes of the frozen linear weights as quantized (within `weights`)
+    dequantized: int = 0  # --quantize: one frozen linear being dequantized (its temporaries too), while it runs
+    dequantized_saved: int = 0  # --quantize, LoRA: the dequantized weights saved for backward (in `activations`)
 
     @property
     def persistent(self) -> int:
@@ -190,6 +260,8 @@ class MemoryPlan:
             "world_size": r.world_size,
             "nodes": r.nodes,
             "shard": r.shard,
+            "quantize": r.quantize,
+            "quantized_weights": self.quantized,
             **{k: getattr(self, k) for k in ("weights", "gradients", "optimizer_state")},
             **{k: getattr(self, k) for k in ("activations", "forward_work", "backward_work", "step_work")},
             "frozen_forward": self.frozen_forward,
@@ -294,23 +366,25 @@ def plan_memory(r: PlanInputs) -> MemoryPlan:
     whole = count_parameters(cfg, r.train_last, r.num_classes, r.lora)
     shards = (r.shard_group or r.world_size) if r.shard else 1
     counts = count_parameters(cfg, r.train_last, r.num_classes, r.lora, shards) if shards > 1 else whole  # mine
-    p = counts.trainable
     k = r.trained_blocks
     b, t = r.batch_size, r.seq_len
 
     optimizer_state, step_work = optimizer_bytes(r, counts)
     # Trained blocks: k - 1 full ones (checkpointed, if asked) and the classifier's last block, at the pooled rows.
     full = max(k - 1, 0)
-    full_first = block_saved_bytes(cfg, b, t, s, r.train_last is None, r.device_type, r.lora)
-    full_rest = block_saved_bytes(cfg, b, t, s, True, r.device_type, r.lora)
+    qz = quantized_parts(r, counts)
+    full_first = block_saved_bytes(cfg, b, t, s, r.train_last is None, r.device_type, r.lora) + qz.saved_first
+    full_rest = block_saved_bytes(cfg, b, t, s, True, r.device_type, r.lora) + qz.saved_rest
     block_full = full_rest if full > 1 or r.train_last is None else full_first
     kept_per_block = s * b * t * cfg.dim if r.gradient_checkpointing else full_rest
     kept_first = s * b * t * cfg.dim if r.gradient_checkpointing else full_first
-    last = last_block_saved_bytes(cfg, b, t, s, full > 0 or r.train_last is None, r.device_type, r.lora) if k else 0
+    last_grad = full > 0 or r.train_last is None
+    last = last_block_saved_bytes(cfg, b, t, s, last_grad, r.device_type, r.lora) if k else 0
+    last += (qz.saved_rest if last_grad else qz.saved_first) if k else 0
     shared = sum(outside_blocks_saved_bytes(cfg, b, t, s, k, r.num_classes, r.train_last is None).values())
     activations = shared + last + (kept_first + (full - 1) * kept_per_block if full else 0)
 
-    grads = s * p
+    grads = s * counts.trainable
     frozen_work = block_forward_work(cfg, b, t, s)
     # A checkpointed block's forward runs like a frozen one: its internals are temporaries.
     fwd_work = frozen_work if r.gradient_checkpointing else trained_forward_work(cfg, b, t)
@@ -320,10 +394,13 @@ def plan_memory(r: PlanInputs) -> MemoryPlan:
     backward = backward_peak(
         r, cfg, counts, activations, held, (last, kept_first, kept_per_block, full_first, full_rest)
     )
+    # --quantize: each frozen linear is dequantized as it runs, one at a time; in backward only when a checkpointed
+    # LoRA block over quantized weights runs again (without checkpointing, backward reads the saved ones).
+    recomputed = qz.transient if r.lora is not None and r.gradient_checkpointing else 0
     phases = {
-        "frozen forward": frozen_work + held + gathered_forward,
-        "forward": activations + fwd_work + held + gathered_forward,
-        "backward": backward + gathered_backward,
+        "frozen forward": frozen_work + held + gathered_forward + qz.transient,
+        "forward": activations + fwd_work + held + gathered_forward + qz.transient,
+        "backward": backward + gathered_backward + recomputed,
         "optimizer step": grads + step_work,
     }
     if k == cfg.n_layers:
@@ -331,7 +408,7 @@ def plan_memory(r: PlanInputs) -> MemoryPlan:
     return MemoryPlan(
         inputs=r,
         counts=whole,
-        weights=s * counts.total + counts.buffer_bytes,
+        weights=s * qz.full_precision + qz.held + counts.buffer_bytes,
         gradients=grads,
         optimizer_state=optimizer_state,
         activations=activations,
@@ -343,4 +420,7 @@ def plan_memory(r: PlanInputs) -> MemoryPlan:
         frozen_forward=frozen_work if k < cfg.n_layers else 0,
         phases=phases,
         gathered=max(gathered_forward, gathered_backward),
+        quantized=qz.held,
+        dequantized=qz.transient,
+        dequantized_saved=qz.saved_first + (k - 1) * qz.saved_rest if k else 0,
     )

@@ -18,7 +18,7 @@ import torch
 from ..model.config import PRESETS, LlamaConfig, parse_dtype
 from ..model.lora import LoRASettings
 from .advice import STAGES, advice_lines, advise, in_gib, misfit, replan, smallest_world
-from .memory import FP32, GiB, MemoryPlan, PlanInputs, plan_memory, with_margin
+from .memory import FP32, NF4_BLOCK, QUANTIZE, GiB, MemoryPlan, PlanInputs, plan_memory, with_margin
 
 SCRATCH_PRESETS = ("tiny",)  # presets with no published checkpoint: only ever trained from random weights
 
@@ -53,9 +53,10 @@ def plan_heading(plan: MemoryPlan) -> list[str]:
     adapters = c.total - c.backbone - c.head
     parts = f"{c.backbone:,} backbone + " + (f"{adapters:,} LoRA adapters + " if adapters else "") + f"{c.head:,} head"
     per = "GPU" if r.device_type == "cuda" else "process (CPU)"
+    quantized = f", weights: {QUANTIZE[r.quantize]} (frozen base)" if r.quantize else ""
     return [
-        f"Memory plan per {per}: batch {r.batch_size} x {r.seq_len} tokens, train {trained_text(r)}{ckpt}, {dtype}, "
-        f"world size {r.world_size}"
+        f"Memory plan per {per}: batch {r.batch_size} x {r.seq_len} tokens, train {trained_text(r)}{ckpt}, {dtype}"
+        f"{quantized}, world size {r.world_size}"
         + (f" on {r.nodes} nodes ({r.per_node} each)" if r.nodes > 1 else "")
         + (f", sharded (FSDP2) across {r.shard_group or r.world_size}" if r.shard else ""),
         f"  parameters {c.total:,} ({parts}); training {c.trainable:,}",
@@ -76,7 +77,8 @@ def format_plan(plan: MemoryPlan, gpu: tuple[str, int] | None = None) -> str:
         lines.append(f"  {name:<28}{_gib(n)}   {what}")
 
     share = f" / {r.shard_group or r.world_size} processes" if r.shard else ""
-    row("weights", plan.weights, f"{c.total:,} x {s} B{share} + rotary tables")
+    for name, n, what in weights_rows(plan, share):
+        row(name, n, what)
     row("optimizer state", plan.optimizer_state, f"{state}, {c.trainable:,} trained parameters{share}")
     row("gradients", plan.gradients, f"{c.trainable:,} x {s} B, {gradients_note(r, share)}")
     k = r.trained_blocks
@@ -86,11 +88,18 @@ def format_plan(plan: MemoryPlan, gpu: tuple[str, int] | None = None) -> str:
     else:
         what = f"the last block, run at each row's last token ({plan.last_block_activations / GiB:.2f} GiB)"
     row("activations", plan.activations, f"saved for backward: {what if k else 'final norm and head'}")
+    if plan.dequantized_saved:
+        what = "the quantized weights of the LoRA blocks, dequantized for the matmuls and kept for backward"
+        row("  of which weights", plan.dequantized_saved, what)
     if r.gradient_checkpointing and plan.block_activations:
         row("  + recomputed block", plan.block_activations, "one block's saved tensors, rebuilt during backward")
     if plan.frozen_forward:
         frozen = r.cfg.n_layers - r.trained_blocks
         row("frozen forward temporaries", plan.frozen_forward, f"{frozen} frozen block(s) save nothing; one at a time")
+    if plan.dequantized:
+        row(
+            "dequantizing", plan.dequantized, f"the largest frozen linear to {dtype} and its temporaries, one at a time"
+        )
     if plan.gathered:
         row("gathered, at most", plan.gathered, "whole blocks (computed + prefetched) and a block's whole gradient")
     what = "a checkpointed block runs like a frozen one" if r.gradient_checkpointing else "float32 rotary arithmetic"
@@ -116,6 +125,20 @@ def format_plan(plan: MemoryPlan, gpu: tuple[str, int] | None = None) -> str:
     nccl = f" + {plan.collectives / GiB:.2f} GiB (NCCL buffers, several GPUs)" if plan.collectives else ""
     row("needed", plan.required(), f"peak + 5% + 0.5 GiB (CUDA context, allocator fragmentation){nccl}")
     return "\n".join(lines + verdict_lines(plan, gpu))
+
+
+def weights_rows(plan: MemoryPlan, share: str) -> list[tuple[str, int, str]]:
+    """The table's weights row, and with --quantize the part of it held quantized."""
+    r, c, s = plan.inputs, plan.counts, plan.inputs.param_dtype.itemsize
+    if not r.quantize:
+        return [("weights", plan.weights, f"{c.total:,} x {s} B{share} + rotary tables")]
+    n, kind = sum(o * i for o, i in c.frozen_linears), QUANTIZE[r.quantize]
+    layout = f"4-bit codes + a float32 scale per {NF4_BLOCK} weights" if r.quantize == "nf4" else ""
+    layout = layout or "a byte per weight + a float32 scale per output row"
+    return [
+        ("weights", plan.weights, f"{c.total - n:,} x {s} B + {n:,} in {kind} + rotary tables"),
+        (f"  of which {kind}", plan.quantized, f"the frozen linear weights: {layout}"),
+    ]
 
 
 def gradients_note(r: PlanInputs, share: str) -> str:
@@ -257,6 +280,7 @@ def plan_command(args, cfg: LlamaConfig, train_last: int | None, lora: LoRASetti
         grad_accum=args.grad_accum,
         device_type="cuda" if on_gpu else "cpu",
         lora=lora,
+        quantize=args.quantize,
     )
     plan = plan_memory(inputs)
     cache = getattr(args, "cache_frozen", "off")  # the frozen-prefix cache (prefix_cache.py)
