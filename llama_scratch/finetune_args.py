@@ -180,6 +180,9 @@ def build_parser() -> argparse.ArgumentParser:
         f"rounded away) (default: {d.optimizer_state})",
     )
     g.add_argument(
+        "--quantize", choices=["nf4", "int8"], help="hold the frozen base weights in 4-bit NF4 or int8 (default: off)"
+    )
+    g.add_argument(
         "--shard",
         action="store_true",
         help="under torchrun: shard every parameter, gradient and "

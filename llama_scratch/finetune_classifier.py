@@ -112,6 +112,7 @@ class ModelChoice:
     from_scratch: bool  # a preset: random weights
     train_last: int | None  # blocks trained (None: all)
     lora: LoRASettings | None  # LoRA adapters in those blocks instead of their weights
+    quantize: str | None = None  # "nf4" or "int8": the frozen base weights held quantized (None: off)
 
 
 @dataclass
@@ -158,7 +159,24 @@ def choose_model(args: argparse.Namespace, strategy: Strategy, log) -> ModelChoi
     dtype = strategy.on_main(checkpoint_dtype)  # free memory differs between processes: rank 0 decides
     from_scratch = trains_from_scratch(ref)
     train_last = chosen_train_last(args.train_last, from_scratch)
-    return ModelChoice(ref, repo_id, dtype, from_scratch, train_last, lora_settings(args, from_scratch))
+    lora = lora_settings(args, from_scratch)
+    quantize = quantize_setting(args, from_scratch, train_last, lora)
+    return ModelChoice(ref, repo_id, dtype, from_scratch, train_last, lora, quantize)
+
+
+def quantize_setting(
+    args: argparse.Namespace, from_scratch: bool, train_last: int | None, lora: LoRASettings | None
+) -> str | None:
+    """--quantize, checked against what it needs: frozen pretrained weights to hold, one process's own copy."""
+    if args.quantize is None:
+        return None
+    if from_scratch:
+        raise ValueError("--quantize holds frozen pretrained weights; a model trained from random weights has none")
+    if train_last is None and lora is None:
+        raise ValueError("--quantize needs frozen weights: every block trains (--train-last all); add --lora RANK")
+    if args.shard:
+        raise ValueError("--quantize with --shard is not supported: quantize, or shard, one of the two")
+    return args.quantize
 
 
 def compile_token_wise(clf: LlamaClassifier) -> None:
@@ -206,7 +224,7 @@ def build_classifier(job: Job, log) -> tuple[LlamaClassifier, Tokenizer, str]:
     the tokenizer that belongs to it."""
     choice = job.choice
     n = job.data.num_classes
-    clf = job.strategy.build_classifier(choice.ref, choice.dtype, n, choice.train_last, choice.lora)
+    clf = job.strategy.build_classifier(choice.ref, choice.dtype, n, choice.train_last, choice.lora, choice.quantize)
     backbone = clf.backbone
     backbone.gradient_checkpointing = job.args.gradient_checkpointing
     tokenizer, tokenizer_ref = resolve_tokenizer(choice.ref, backbone.cfg, log)
@@ -379,6 +397,7 @@ def classifier_meta(
         train_last=choice.train_last,
         lora=choice.lora,
         lora_blocks=clf.lora_blocks,
+        quantize=choice.quantize,
         tokenizer=tokenizer_ref,
         max_length=max_length,
         dtype=choice.dtype,
@@ -406,6 +425,7 @@ def run_identity(job: Job, max_length: int) -> dict:
         "lora_alpha": lora.alpha if lora else None,
         "lora_dropout": lora.dropout if lora else None,
         "lora_targets": ",".join(lora.targets) if lora else None,
+        "quantize": choice.quantize,
     }
 
 
