@@ -114,16 +114,17 @@ def test_quantized_linear_computes_with_the_dequantized_weight():
 
 @pytest.fixture(scope="module")
 def base(tmp_path_factory):
-    """A tiny 'pretrained' checkpoint with an untied LM head, in two shards."""
+    """A tiny 'pretrained' checkpoint (the Llama-3 vocabulary: its tokenizer is the fallback) with an untied LM
+    head, in two shards."""
     path = tmp_path_factory.mktemp("quantize") / "base"
-    cfg = LlamaConfig.from_name("tiny", tie_embeddings=False, vocab_size=1024)
-    save_checkpoint(Llama(cfg), cfg, path, max_shard_bytes=300_000)
+    cfg = LlamaConfig.from_name("tiny", tie_embeddings=False)
+    save_checkpoint(Llama(cfg), cfg, path, max_shard_bytes=20_000_000)
     return path
 
 
 def test_the_streaming_load_quantizes_every_frozen_linear_as_from_the_full_weight(base, monkeypatch):
     full = load_model(base)
-    monkeypatch.setattr(weights, "QUANTIZE_CHUNK", 64 * 7)  # several row chunks per tensor, one short at the end
+    monkeypatch.setattr(weights, "QUANTIZE_CHUNK", 64 * 50)  # several row chunks per tensor, one short at the end
     q = load_model(base, quantize="nf4", keep_last=1)
     quantized = {n for n, m in q.named_modules() if isinstance(m, QuantizedLinear)}
     assert len(quantized) == 3 * 7 + 1 and "lm_head" in quantized and "blocks.2.ffn.down_proj" in quantized
@@ -133,7 +134,7 @@ def test_the_streaming_load_quantizes_every_frozen_linear_as_from_the_full_weigh
         got = q.get_submodule(name)
         assert torch.equal(got.codes, expected.codes) and torch.equal(got.scales, expected.scales), name
     # the quantized model computes what a full-precision model holding the dequantized weights computes
-    ids = torch.randint(0, 1024, (2, 12))
+    ids = torch.randint(0, 128_256, (2, 12))
     full_copy = load_model(base)
     quantize_linears(full_copy, "nf4", keep_last=1)
     dequantize_linears(full_copy)
@@ -177,7 +178,7 @@ def test_qlora_trains_adapters_over_the_quantized_weights_and_merges(base):
 
 def test_the_frozen_prefix_cache_runs_the_quantized_blocks(base):
     clf = LlamaClassifier(load_model(base, quantize="nf4", keep_last=1), num_classes=2, train_last=1).eval()
-    ids = torch.randint(0, 1024, (3, 10))
+    ids = torch.randint(0, 128_256, (3, 10))
     with torch.no_grad():
         states = clf.frozen_prefix(ids)
         assert torch.allclose(clf(None, frozen_states=states), clf(ids), atol=1e-5)
@@ -219,6 +220,7 @@ def test_a_quantized_run_classifies_as_it_evaluated_and_exports(base, small_csv,
         labels = [data.label_names[y] for y in test.labels]
         csv.writer(f).writerows([["message", "category"], *zip(test.texts, labels, strict=True)])
     argv = ["--checkpoint", str(run), "--file", str(test_csv), "--labels", "--output", str(scored)]
+    argv += ["--max-length", "32"]  # as the run cut its texts
     assert classify.main([*argv, "--device", "cpu", "--dtype", "float32"]) == 0
     with scored.open(newline="") as f:
         rows = list(csv.DictReader(f))
