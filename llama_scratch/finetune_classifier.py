@@ -22,7 +22,7 @@ from .checkpoints.run_record import WEIGHTS_FILE, RunRecord, new_record
 from .data.batching import TokenizedSplit, default_max_length, encode_texts
 from .data.labelled import DataWarning, LabelledTexts, load_dataset
 from .data.splitting import default_protocol, split_dataset
-from .finetune_args import parse_args, recorded_flags, resumed_flags
+from .finetune_args import parse_args, quantize_setting, recorded_flags, resumed_flags
 from .model.classifier import LlamaClassifier
 from .model.config import LlamaConfig
 from .model.counts import count_parameters
@@ -162,21 +162,6 @@ def choose_model(args: argparse.Namespace, strategy: Strategy, log) -> ModelChoi
     lora = lora_settings(args, from_scratch)
     quantize = quantize_setting(args, from_scratch, train_last, lora)
     return ModelChoice(ref, repo_id, dtype, from_scratch, train_last, lora, quantize)
-
-
-def quantize_setting(
-    args: argparse.Namespace, from_scratch: bool, train_last: int | None, lora: LoRASettings | None
-) -> str | None:
-    """--quantize, checked against what it needs: frozen pretrained weights to hold, one process's own copy."""
-    if args.quantize is None:
-        return None
-    if from_scratch:
-        raise ValueError("--quantize holds frozen pretrained weights; a model trained from random weights has none")
-    if train_last is None and lora is None:
-        raise ValueError("--quantize needs frozen weights: every block trains (--train-last all); add --lora RANK")
-    if args.shard:
-        raise ValueError("--quantize with --shard is not supported: quantize, or shard, one of the two")
-    return args.quantize
 
 
 def compile_token_wise(clf: LlamaClassifier) -> None:
