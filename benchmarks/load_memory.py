@@ -11,6 +11,8 @@ A random-weight checkpoint of the real shape is written once under --dir. Each m
                 file's dtype, each parameter maps the file: no copy)
   ours-copy     the same with mmap=False: every tensor read into new memory (what a dtype change or a GPU does)
   transformers  `LlamaForCausalLM.from_pretrained(dir, dtype=bfloat16)`
+  nf4 / int8    `load_weights(..., quantize=...)`: every block's linears and the LM head quantized as they stream
+                in (a few rows at a time), the embedding mapped as in `ours`
   naive         build the model (random init), `safetensors.torch.load_file`, `load_state_dict`: the way that
                 needed a second full copy of the weights
 Reported per method: load seconds; seconds to then touch every memory page of every parameter (a memory map that
@@ -33,16 +35,17 @@ from pathlib import Path
 import torch
 from common import GiB, checkpoint_files, mem_available, proc_status, python_cmd, read_files, run_watched
 
-METHODS = ["raw", "ours", "ours-copy", "transformers", "naive"]
+METHODS = ["raw", "ours", "ours-copy", "nf4", "transformers", "naive"]
 
 
 # --- the measured process ----------------------------------------------------------------------------------------
 
 
 def touch(model: torch.nn.Module) -> float:
-    """Read one value from every memory page of every parameter (pages of a memory map become resident)."""
+    """Read one value from every memory page of every parameter and buffer (pages of a memory map become
+    resident; a quantized layer's weights are its buffers)."""
     total = 0.0
-    for p in model.parameters():
+    for p in [*model.parameters(), *model.buffers()]:
         flat = p.detach().reshape(-1)
         total += float(flat[:: max(1, 4096 // p.element_size())].float().sum())
     return total
@@ -73,6 +76,10 @@ def load(method: str, ckpt: Path, device: torch.device) -> torch.nn.Module:
         with torch.device("meta"):
             model = Llama(cfg)
         load_weights(model, ckpt, device=device, progress=False, mmap=method == "ours")
+    elif method in ("nf4", "int8"):
+        with torch.device("meta"):
+            model = Llama(cfg)
+        load_weights(model, ckpt, device=device, progress=False, quantize=method)
     elif method == "transformers":
         from transformers import LlamaForCausalLM
 

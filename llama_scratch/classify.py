@@ -22,7 +22,7 @@ from .checkpoints.weights import CheckpointError, copy_named_file
 from .data.batching import TokenizedSplit, forward, length_sorted_batches, to_batch
 from .data.inputs import Inputs, read_inputs
 from .data.labelled import DataError
-from .model.classifier import LlamaClassifier
+from .model.classifier import LlamaClassifier, full_precision_blocks
 from .model.config import parse_dtype
 from .model.counts import count_parameters
 from .model.llama import Llama
@@ -37,11 +37,16 @@ ECHO_CHARS = 72  # of each text, after its label: enough to tell texts apart, on
 
 
 def load_classifier(
-    run_dir: str | Path, device: str | torch.device = "auto", dtype: str = "auto", model: str | Path | None = None
+    run_dir: str | Path,
+    device: str | torch.device = "auto",
+    dtype: str = "auto",
+    model: str | Path | None = None,
+    quantize: str | None = None,
 ) -> tuple[LlamaClassifier, Tokenizer, dict]:
     """A fine-tuned classifier from a `finetune_classifier` output directory, its tokenizer and its settings (the
     run record, classifier.json, as a dict). `model` points at the base checkpoint when it is no longer where the
-    run recorded it."""
+    run recorded it. The frozen base is quantized as the run's was (classifier.json's "quantize": the same
+    weights, so the same predictions), or as `quantize` ("nf4", "int8") asks instead."""
     run_dir, device = Path(run_dir), resolve_device(str(device))
     record = read_run(run_dir)
     weights_path = run_dir / WEIGHTS_FILE
@@ -60,7 +65,10 @@ def load_classifier(
             backbone.lm_head.weight = backbone.embed_tokens.weight
     else:
         base = record.find_base(model)
-        backbone = load_model(base, device=device, dtype=torch_dtype)
+        quantize = quantize or record.quantize
+        lora = record.lora.settings if record.lora else None
+        keep = full_precision_blocks(cfg.n_layers, record.train_last, lora) if quantize else 0
+        backbone = load_model(base, device=device, dtype=torch_dtype, quantize=quantize, keep_last=keep)
     lora = record.lora.settings if record.lora else None
     clf = LlamaClassifier(backbone, record.num_classes, record.train_last, lora).eval()
     if record.lora and list(record.lora.blocks) != clf.lora_blocks:
@@ -221,6 +229,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="cut texts to this many tokens (default: the model's context, whatever the training run used)",
     )
     p.add_argument("--model", help="the base checkpoint directory, when it moved since training")
+    p.add_argument(
+        "--quantize",
+        choices=["nf4", "int8"],
+        help="hold the frozen base weights in 4-bit NF4 or int8 (default: as the run trained, classifier.json)",
+    )
     args = p.parse_args(argv)
     args.labels = args.labels or args.label_column is not None
     if not args.texts and not args.file:
@@ -250,7 +263,7 @@ def run(args: argparse.Namespace) -> None:
         print(f"note: left out {len(inputs.skipped):,} input(s): {shown}{more}", file=sys.stderr)
     if not inputs.texts:
         raise DataError(f"{args.file or 'the arguments'}: no text to classify")
-    clf, tokenizer, _ = load_classifier(args.checkpoint, device, args.dtype, args.model)
+    clf, tokenizer, _ = load_classifier(args.checkpoint, device, args.dtype, args.model, args.quantize)
     max_length = args.max_length or clf.backbone.cfg.max_seq_len
     if cut := sum(len(tokenizer.encode(t, bos=True)) > max_length for t in inputs.texts):
         why = "--max-length" if args.max_length else "the model's context"

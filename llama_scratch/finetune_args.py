@@ -6,7 +6,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from .model.lora import TARGETS
+from .model.lora import TARGETS, LoRASettings
 from .training.loop import TrainSettings
 
 
@@ -309,3 +309,18 @@ def resumed_flags(args: argparse.Namespace, recorded: dict, where: Path) -> argp
         if k not in typed and k not in _NOT_RECORDED:
             setattr(args, k, v)
     return args
+
+
+def quantize_setting(
+    args: argparse.Namespace, from_scratch: bool, train_last: int | None, lora: LoRASettings | None
+) -> str | None:
+    """--quantize, checked against what it needs: frozen pretrained weights to hold, one process's own copy."""
+    if args.quantize is None:
+        return None
+    if from_scratch:
+        raise ValueError("--quantize holds frozen pretrained weights; a model trained from random weights has none")
+    if train_last is None and lora is None:
+        raise ValueError("--quantize needs frozen weights: every block trains (--train-last all); add --lora RANK")
+    if args.shard:
+        raise ValueError("--quantize with --shard is not supported: quantize, or shard, one of the two")
+    return args.quantize

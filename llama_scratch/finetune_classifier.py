@@ -21,7 +21,7 @@ from .checkpoints.run_record import WEIGHTS_FILE, RunRecord, new_record
 from .data.batching import TokenizedSplit, default_max_length, encode_texts
 from .data.labelled import DataWarning, LabelledTexts, load_dataset
 from .data.splitting import default_protocol, split_dataset
-from .finetune_args import parse_args, recorded_flags, resumed_flags
+from .finetune_args import parse_args, quantize_setting, recorded_flags, resumed_flags
 from .model.classifier import LlamaClassifier
 from .model.config import LlamaConfig
 from .model.counts import count_parameters
@@ -111,6 +111,7 @@ class ModelChoice:
     from_scratch: bool  # a preset: random weights
     train_last: int | None  # blocks trained (None: all)
     lora: LoRASettings | None  # LoRA adapters in those blocks instead of their weights
+    quantize: str | None = None  # "nf4" or "int8": the frozen base weights held quantized (None: off)
 
 
 @dataclass
@@ -169,7 +170,9 @@ def choose_model(args: argparse.Namespace, strategy: Strategy, log) -> ModelChoi
     refuse_float16(dtype, f"{ref} is stored in float16, and a float32 copy would not fit: it")
     from_scratch = trains_from_scratch(ref)
     train_last = chosen_train_last(args.train_last, from_scratch)
-    return ModelChoice(ref, repo_id, dtype, from_scratch, train_last, lora_settings(args, from_scratch))
+    lora = lora_settings(args, from_scratch)
+    quantize = quantize_setting(args, from_scratch, train_last, lora)
+    return ModelChoice(ref, repo_id, dtype, from_scratch, train_last, lora, quantize)
 
 
 def compile_token_wise(clf: LlamaClassifier) -> None:
@@ -218,7 +221,7 @@ def build_classifier(job: Job, log) -> tuple[LlamaClassifier, Tokenizer, str]:
     the tokenizer that belongs to it."""
     choice = job.choice
     n = job.data.num_classes
-    clf = job.strategy.build_classifier(choice.ref, choice.dtype, n, choice.train_last, choice.lora)
+    clf = job.strategy.build_classifier(choice.ref, choice.dtype, n, choice.train_last, choice.lora, choice.quantize)
     backbone = clf.backbone
     backbone.gradient_checkpointing = job.args.gradient_checkpointing
     tokenizer, tokenizer_ref = resolve_tokenizer(choice.ref, backbone.cfg, log)
@@ -387,6 +390,7 @@ def classifier_meta(
         train_last=choice.train_last,
         lora=choice.lora,
         lora_blocks=clf.lora_blocks,
+        quantize=choice.quantize,
         tokenizer=tokenizer_ref,
         max_length=max_length,
         dtype=choice.dtype,
@@ -414,6 +418,7 @@ def run_identity(job: Job, max_length: int) -> dict:
         "lora_alpha": lora.alpha if lora else None,
         "lora_dropout": lora.dropout if lora else None,
         "lora_targets": ",".join(lora.targets) if lora else None,
+        "quantize": choice.quantize,
     }
 
 

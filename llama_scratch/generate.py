@@ -107,6 +107,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N (default: auto, a GPU if any)")
     parser.add_argument("--dtype", default=None, help="bfloat16, float32, ... (default: the checkpoint's)")
     parser.add_argument("--no-cache", action="store_true", help="recompute every step (slow; for comparison)")
+    parser.add_argument(
+        "--quantize",
+        choices=["nf4", "int8"],
+        help="hold the blocks' and the LM head's weights in 4-bit NF4 or int8 (default: off)",
+    )
     args = parser.parse_args(argv)
 
     log = lambda *a: print(*a, file=sys.stderr)  # noqa: E731  (stdout is the generated text alone)
@@ -114,7 +119,7 @@ def main(argv: list[str] | None = None) -> int:
         device = resolve_device(args.device)
         ref = args.model or default_model(device, choose_dtype(args.dtype or "auto", device), log)
         ref = local_checkpoint(ref, log)
-        model = load_model(ref, device=device, dtype=args.dtype).eval()
+        model = load_model(ref, device=device, dtype=args.dtype, quantize=args.quantize).eval()
         tok, _ = resolve_tokenizer(ref, model.cfg, log)
         prompt = chat_prompt(tok, args.prompt, args.system) if args.chat else tok.encode(args.prompt, bos=True)
     except (OSError, ValueError, DownloadError) as e:

@@ -5,6 +5,11 @@ Every output tensor is planned from safetensors headers first (its name, its sha
 names, shapes and coverage are checked before anything is written, and each shard's header is known before its
 data. Then each tensor is read, merged, cast and written before the next one is read: the process holds one tensor
 (and its adapters) at a time, never a shard and never the model.
+
+A run trained over a quantized base (`--quantize nf4|int8`, classifier.json's "quantize") needs nothing else here:
+the base tensors are read from the base's own full-precision checkpoint, never from quantized values, so the export
+is the full-precision base plus what trained (adapters merged). It differs from the quantized model `classify`
+runs by the quantization error, and it is what an unquantized rebuild of the run computes (tests/test_quantize.py).
 """
 
 from __future__ import annotations

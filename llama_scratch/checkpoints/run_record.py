@@ -29,6 +29,7 @@ from safetensors import SafetensorError, safe_open
 
 from ..model.config import PRESETS, LlamaConfig
 from ..model.lora import TARGETS, LoRASettings
+from ..model.quantize import KINDS as QUANTIZE_KINDS
 from .atomic import write_text_atomic
 from .hf_layout import CheckpointError
 
@@ -136,6 +137,7 @@ class RunRecord:
     base_model_repo: str | None = None  # the Hub repo the base was fetched from
     settings: dict | None = None  # the TrainSettings it trained with
     run_id: str | None = None  # the weights file's metadata holds the same
+    quantize: str | None = None  # "nf4" or "int8": the frozen base weights were held quantized (absent: off)
     path: Path | None = field(default=None, compare=False)
 
     def model_config(self) -> LlamaConfig:
@@ -156,7 +158,7 @@ class RunRecord:
             "max_length": self.max_length,
             "dtype": self.dtype,
         }
-        later = {"settings": self.settings, "run_id": self.run_id}
+        later = {"quantize": self.quantize, "settings": self.settings, "run_id": self.run_id}
         return record | {k: v for k, v in later.items() if v is not None}
 
     def find_base(self, override: str | Path | None) -> str:
@@ -206,6 +208,7 @@ def new_record(
     max_length: int,
     dtype: torch.dtype,
     settings: object,
+    quantize: str | None = None,
 ) -> RunRecord:
     """The record of a run writing its results into `out` (the run id is added when they are written). `settings`
     is the dataclass the run trained with (TrainSettings), recorded field by field."""
@@ -221,6 +224,7 @@ def new_record(
         max_length=max_length,
         dtype=str(dtype).removeprefix("torch."),
         settings=dataclasses.asdict(settings),
+        quantize=quantize,
     )
 
 
@@ -271,7 +275,7 @@ def read_record(record_path: Path, weights_path: Path) -> RunRecord:
             f"{record_path.parent}: {RECORD_FILE} and {WEIGHTS_FILE} come from different runs (run ids "
             f"{meta.get('run_id')} and {weights_run}); train again into a new --output"
         )
-    keys = (*REQUIRED_KEYS, "base_model_relative", "base_model_repo", "settings", "run_id")
+    keys = (*REQUIRED_KEYS, "base_model_relative", "base_model_repo", "settings", "run_id", "quantize")
     lora = RecordedLoRA.from_json(meta.get("lora"), record_path)
     return RunRecord(**{k: meta[k] for k in keys if k in meta}, lora=lora, path=record_path)
 
@@ -299,4 +303,6 @@ def wrong_types(meta: dict) -> list[str]:
         wrong.append("train_last")
     optional = {"base_model_relative": str, "base_model_repo": str, "settings": dict}
     wrong += [k for k, kind in optional.items() if meta.get(k) is not None and not isinstance(meta[k], kind)]
+    if meta.get("quantize") not in (None, *QUANTIZE_KINDS):
+        wrong.append("quantize")
     return wrong

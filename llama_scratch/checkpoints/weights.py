@@ -12,6 +12,7 @@ memory, pages come in from the page cache (or disk) on first use, and a write (t
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import time
@@ -25,6 +26,7 @@ from tqdm.auto import tqdm
 
 from ..model.config import LlamaConfig
 from ..model.llama import Llama
+from ..model.quantize import QuantizedLinear, quantize_linears
 from .atomic import write_text_atomic
 from .hf_layout import (
     IGNORABLE,
@@ -70,6 +72,8 @@ def load_weights(
     strict: bool = True,
     progress: bool | None = None,
     mmap: bool = True,
+    quantize: str | None = None,
+    keep_last: int = 0,
 ) -> LoadReport:
     """Stream a checkpoint's tensors into `model`, one at a time, converting each to its parameter's dtype.
 
@@ -83,11 +87,20 @@ def load_weights(
     With `strict`, missing, unexpected and wrongly shaped tensors are all reported in one CheckpointError before
     any data is read; without, they are skipped and the missing parameters initialized as for training (listed in
     the report). `progress` None shows the bar on rank 0 only (the RANK environment variable).
+
+    `quantize` "nf4" or "int8": the linear layers of every block but the last `keep_last`, and an untied LM head,
+    become `QuantizedLinear` (model/quantize.py) and are quantized as they stream in, a few rows at a time on the
+    target device, so their full-precision weights never exist whole (a model built on the meta device). The
+    embedding and the norms load as they are. A model that already holds QuantizedLinear layers is filled alike.
     """
     start = time.perf_counter()
     files = find_checkpoint_files(path)
     report = LoadReport(files=files)
-    params = dict(model.named_parameters())  # a tied lm_head.weight is not listed: it is embed_tokens.weight
+    if quantize is not None:
+        quantize_linears(model, quantize, keep_last)
+    params: dict = dict(model.named_parameters())  # a tied lm_head.weight is not listed: it is embed_tokens.weight
+    # A quantized layer's weight is a target as a parameter is: named, shaped, filled by `_load_one`.
+    params |= {f"{n}.weight": m for n, m in model.named_modules() if isinstance(m, QuantizedLinear)}
     entries, unexpected = match_tensors(files, params, report)
     tied_head = entries.pop("lm_head.weight", None) if "lm_head.weight" not in params else None
     missing = [n for n in params if n not in entries]
@@ -124,7 +137,9 @@ def _stream(
 ) -> None:
     """Every tensor into its parameter, file by file in the order the bytes lie on disk, with a progress bar."""
     total = sum(e.nbytes for e in entries.values())
-    staging = Staging(max((e.nbytes for e in entries.values()), default=0), device)
+    # A quantized weight passes a few rows at a time (_quantize_streamed): the pinned buffers need not hold it.
+    whole = [e.nbytes for n, e in entries.items() if not isinstance(params[n], QuantizedLinear)]
+    staging = Staging(max(whole, default=0), device)
     bar = tqdm(total=total, unit_scale=True, desc="loading weights", bar_format=LOAD_BAR, disable=not show)
     try:
         for file in files:
@@ -269,6 +284,9 @@ class Staging:
 def _load_one(
     fh, e: TensorInfo, param: nn.Parameter, aliases: dict, device: torch.device | None, mapped, staging: Staging
 ) -> None:
+    if isinstance(param, QuantizedLinear):
+        _quantize_streamed(fh, e, param, device)
+        return
     target = device or (param.device if not param.is_meta else torch.device("cpu"))
     in_place = not param.is_meta and param.device == target and param.is_contiguous()
     # safetensors aligns each tensor's data to its dtype; a file from a writer that did not gets a copy instead
@@ -289,6 +307,27 @@ def _load_one(
             del staged
     if not in_place:
         _put(param, dest, aliases)
+
+
+# Rows of a weight read, moved and quantized at a time: 2^22 values (8 MiB in bfloat16, 16 MiB as float32 while
+# quantized), so the full-precision copy in flight is a few MiB, not the largest tensor (1 GiB: Llama-3-8B's head).
+QUANTIZE_CHUNK = 1 << 22
+
+
+def _quantize_streamed(fh, e: TensorInfo, layer: QuantizedLinear, device: torch.device | None) -> None:
+    """A quantized layer's weight read from the file a chunk of rows at a time, each quantized on the target
+    device into the layer's codes and scales (allocated there on first use)."""
+    if layer.codes.is_meta or (device is not None and layer.codes.device != device):
+        layer.to_empty(device=device or torch.device("cpu"))
+    row_bytes = e.nbytes // e.shape[0]
+    rows = max(1, QUANTIZE_CHUNK // e.shape[1])
+    for start in range(0, e.shape[0], rows):
+        n = min(rows, e.shape[0] - start)
+        offset = e.offset + start * row_bytes
+        part = dataclasses.replace(e, shape=(n, *e.shape[1:]), offset=offset, nbytes=n * row_bytes)
+        staged = torch.empty(part.shape, dtype=e.dtype)
+        read_into(fh, part, staged)
+        layer.fill_rows(start, staged.to(layer.codes.device))
 
 
 def _put(old: nn.Parameter, data: torch.Tensor, aliases: dict) -> nn.Parameter:
@@ -323,9 +362,14 @@ def _equal_on_cpu(a: torch.Tensor, b: torch.Tensor, rows: int = 4096) -> bool:
 
 def _init_missing(param: nn.Parameter, aliases: dict, device: torch.device | None) -> None:
     """strict=False: a parameter the file lacked still leaves the meta device, initialized as for training."""
+    target = device or torch.device("cpu")
+    if isinstance(param, QuantizedLinear):  # a quantized layer the file lacked: a drawn weight, quantized
+        if param.codes.is_meta:
+            param.to_empty(device=target)
+        param.fill_rows(0, torch.empty(param.shape, device=param.codes.device).normal_(0.0, 0.02))
+        return
     if not param.is_meta and (device is None or param.device == device):
         return
-    target = device or torch.device("cpu")
     if not param.is_meta:
         _put(param, param.data.to(target), aliases)
         return

@@ -18,6 +18,12 @@ def trained_blocks(n_layers: int, train_last: int | None) -> range:
     return range(0 if train_last is None else n_layers - train_last, n_layers)
 
 
+def full_precision_blocks(n_layers: int, train_last: int | None, lora: LoRASettings | None) -> int:
+    """How many top blocks keep full-precision weights when the base is quantized: those that train whole. With
+    LoRA none do (QLoRA: the adapters train over the quantized weights). Training and `classify` both ask here."""
+    return 0 if lora is not None else len(trained_blocks(n_layers, train_last))
+
+
 def last_real_positions(attention_mask: torch.Tensor | None, batch: int, seq_len: int, device) -> torch.Tensor:
     """[B] index of each row's last real token, whichever side the padding is on.
 

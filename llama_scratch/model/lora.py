@@ -29,6 +29,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .quantize import QuantizedLinear
+
 # Short names for the seven projections of a Llama block, and where each lives inside `model.Block`.
 TARGETS = {
     "q": "attention.q_proj",
@@ -89,35 +91,55 @@ class LoRALinear(nn.Linear):
     It subclasses nn.Linear and holds the wrapped layer's own `weight` (and `bias`) Parameter, not a copy, under
     the same name: the base weights keep their names in a state dict, and the adapters are added beside them as
     `lora_a` [rank, in] and `lora_b` [out, rank], created on the weight's device and in its dtype.
+
+    QLoRA: the wrapped layer may be a `QuantizedLinear` (a 4-bit or int8 frozen weight). It is then kept whole as
+    the submodule `quantized` (its buffers `quantized.codes`, `quantized.scales`), `weight` and `bias` are None,
+    and the adapters are created in its compute dtype: W x is computed from the dequantized weight, B A x as ever.
     """
 
-    def __init__(self, base: nn.Linear, rank: int, alpha: float, dropout: float = 0.0):
+    def __init__(self, base: nn.Linear | QuantizedLinear, rank: int, alpha: float, dropout: float = 0.0):
         nn.Module.__init__(self)  # not nn.Linear.__init__: that would allocate a second weight
         self.in_features, self.out_features = base.in_features, base.out_features
-        self.weight, self.bias = base.weight, base.bias
-        self.weight.requires_grad_(False)
-        if self.bias is not None:
-            self.bias.requires_grad_(False)
-        a, b = new_adapters(rank, self.in_features, self.out_features, base.weight.dtype, base.weight.device)
+        if isinstance(base, QuantizedLinear):
+            self.quantized: QuantizedLinear | None = base
+            self.register_parameter("weight", None)
+            self.register_parameter("bias", None)
+            dtype, device = base.compute_dtype, base.codes.device
+        else:
+            self.quantized = None
+            self.weight, self.bias = base.weight, base.bias
+            self.weight.requires_grad_(False)
+            if self.bias is not None:
+                self.bias.requires_grad_(False)
+            dtype, device = base.weight.dtype, base.weight.device
+        a, b = new_adapters(rank, self.in_features, self.out_features, dtype, device)
         self.lora_a, self.lora_b = nn.Parameter(a), nn.Parameter(b)
         self.rank, self.alpha, self.scale = rank, alpha, alpha / rank
         self.dropout = nn.Dropout(dropout) if dropout > 0 else nn.Identity()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         low_rank = F.linear(F.linear(self.dropout(x), self.lora_a), self.lora_b)  # B (A x): never forms B A
-        return F.linear(x, self.weight, self.bias) + self.scale * low_rank
+        frozen = self.quantized(x) if self.quantized is not None else F.linear(x, self.weight, self.bias)
+        return frozen + self.scale * low_rank
 
     @torch.no_grad()
     def merge(self) -> nn.Linear:
         """Fold scale * B A into `weight` (in place: the same Parameter) and return a plain nn.Linear holding it.
 
         B A is formed in float32 and rounded once into the weight's dtype. B is then zeroed, so this layer, if
-        still called, computes what the merged one does and a second merge adds nothing.
+        still called, computes what the merged one does and a second merge adds nothing. Over a quantized base,
+        the merged weight is the dequantized one plus B A, a new Parameter in the compute dtype (adding B A to
+        4-bit codes would round it away); this layer then still computes with the quantized weight.
         """
-        self.weight.copy_(merged_weight(self.weight, self.lora_a, self.lora_b, self.scale))
-        self.lora_b.zero_()
         plain = nn.Linear(self.in_features, self.out_features, bias=self.bias is not None, device="meta")
-        plain.weight, plain.bias = self.weight, self.bias
+        if self.quantized is not None:
+            base = self.quantized.dequantized(torch.float32)
+            merged = merged_weight(base, self.lora_a, self.lora_b, self.scale).to(self.quantized.compute_dtype)
+            plain.weight = nn.Parameter(merged, requires_grad=False)
+        else:
+            self.weight.copy_(merged_weight(self.weight, self.lora_a, self.lora_b, self.scale))
+            plain.weight, plain.bias = self.weight, self.bias
+        self.lora_b.zero_()
         return plain
 
     def extra_repr(self) -> str:

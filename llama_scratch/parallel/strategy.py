@@ -30,9 +30,9 @@ from torch import nn
 from ..checkpoints import resume
 from ..checkpoints.resume import ResumeError
 from ..checkpoints.weights import copy_named_file, save_weights
-from ..model.classifier import LlamaClassifier
+from ..model.classifier import LlamaClassifier, full_precision_blocks
 from ..model.lora import LoRASettings
-from ..sources.resolve import load_model
+from ..sources.resolve import config_of, load_model
 from . import distributed, sharding
 from .distributed import Processes, teardown, unwrap
 from .sharding import is_resume_dir
@@ -180,10 +180,16 @@ class Strategy(ABC):
 
     @abstractmethod
     def build_classifier(
-        self, ref: str, dtype: torch.dtype, num_classes: int, train_last: int | None, lora: LoRASettings | None
+        self,
+        ref: str,
+        dtype: torch.dtype,
+        num_classes: int,
+        train_last: int | None,
+        lora: LoRASettings | None,
+        quantize: str | None = None,
     ) -> LlamaClassifier:
-        """The classifier on this process's device: the backbone loaded from `ref`, and a fresh head (and LoRA
-        adapters), drawn as one process draws them."""
+        """The classifier on this process's device: the backbone loaded from `ref` (its frozen linears quantized
+        as they load with `quantize`), and a fresh head (and LoRA adapters), drawn as one process draws them."""
 
     @abstractmethod
     def wrap(self, clf: LlamaClassifier) -> nn.Module:
@@ -259,10 +265,18 @@ class Replicated(Strategy):
         return self.processes.several and self.device.type == "cuda"
 
     def build_classifier(
-        self, ref: str, dtype: torch.dtype, num_classes: int, train_last: int | None, lora: LoRASettings | None
+        self,
+        ref: str,
+        dtype: torch.dtype,
+        num_classes: int,
+        train_last: int | None,
+        lora: LoRASettings | None,
+        quantize: str | None = None,
     ) -> LlamaClassifier:
-        """The backbone streamed onto the device (sources.load_model), the head put on."""
-        backbone = load_model(ref, device=self.device, dtype=dtype, progress=self.is_main)
+        """The backbone streamed onto the device (sources.load_model), the head put on. With `quantize`, the
+        blocks that train whole stay in full precision; with LoRA every block's base weights are quantized."""
+        keep = full_precision_blocks(config_of(ref).n_layers, train_last, lora) if quantize else 0
+        backbone = load_model(ref, self.device, dtype, self.is_main, quantize=quantize, keep_last=keep)
         return LlamaClassifier(backbone, num_classes=num_classes, train_last=train_last, lora=lora)
 
     def wrap(self, clf: LlamaClassifier) -> nn.Module:
@@ -363,9 +377,18 @@ class Sharded(Strategy):
         return False  # no process holds a replica; --plan checks what each holds
 
     def build_classifier(
-        self, ref: str, dtype: torch.dtype, num_classes: int, train_last: int | None, lora: LoRASettings | None
+        self,
+        ref: str,
+        dtype: torch.dtype,
+        num_classes: int,
+        train_last: int | None,
+        lora: LoRASettings | None,
+        quantize: str | None = None,
     ) -> LlamaClassifier:
-        """Built on the meta device, sharded, then each process reads only its rows (sharding.sharded_classifier)."""
+        """Built on the meta device, sharded, then each process reads only its rows (sharding.sharded_classifier).
+        A quantized base is not sharded (the command refuses the two together)."""
+        if quantize is not None:
+            raise ValueError("--quantize with --shard is not supported: quantize, or shard, one of the two")
         return sharding.sharded_classifier(
             ref, dtype, num_classes, train_last, lora, self.mesh, self.device, progress=self.is_main
         )

@@ -23,6 +23,7 @@ from ..checkpoints.weights import load_weights
 from ..model.config import PRESETS, LlamaConfig, parse_dtype
 from ..model.counts import count_parameters
 from ..model.llama import Llama
+from ..model.quantize import quantize_linears
 from ..model.tokenizer import Tokenizer
 from .devices import memory_budget
 from .fetch import DownloadError, default_dir, fetch, fetch_smollm2, looks_like_path
@@ -95,9 +96,15 @@ def load_model(
     device: str | torch.device | None = None,
     dtype: str | torch.dtype | None = None,
     progress: bool | None = None,
+    quantize: str | None = None,
+    keep_last: int = 0,
 ) -> Llama:
     """A ready model from any reference (see the module docstring): a checkpoint streamed onto `device` from the
-    meta device, or a preset freshly initialized there. `dtype` None or "auto" keeps the checkpoint's."""
+    meta device, or a preset freshly initialized there. `dtype` None or "auto" keeps the checkpoint's.
+
+    `quantize` "nf4" or "int8" holds the linear weights of every block but the last `keep_last`, and an untied LM
+    head, quantized (model/quantize.py), each quantized as it streams in: the full-precision model never exists.
+    The embedding and norms stay in `dtype`, which is also what the quantized layers compute in."""
     device = torch.device(device or "cpu")
     ref = local_checkpoint(str(path_or_preset))
     if trains_from_scratch(ref):
@@ -105,14 +112,17 @@ def load_model(
         if dtype not in (None, "auto"):
             cfg = dataclasses.replace(cfg, dtype=parse_dtype(dtype))
         with device:
-            return Llama(cfg)
+            model = Llama(cfg)
+        if quantize is not None:
+            quantize_linears(model, quantize, keep_last)
+        return model
     path = Path(ref)
     cfg = LlamaConfig.from_hf(path if path.is_dir() else path.parent)
     if dtype not in (None, "auto"):
         cfg = dataclasses.replace(cfg, dtype=parse_dtype(dtype))
     with torch.device("meta"):
         model = Llama(cfg)
-    load_weights(model, path, device=device, progress=progress)
+    load_weights(model, path, device=device, progress=progress, quantize=quantize, keep_last=keep_last)
     return model
 
 
