@@ -85,9 +85,9 @@ RECIPES = [
     Recipe("8b-last2", "8b", ("--train-last", "2")),
     Recipe("8b-lora8", "8b", ("--lora", "8")),  # default targets, in the default 2 trained blocks
     Recipe("small-all", "small", ("--train-last", "all")),
-    # A 4-bit base is one more row once finetune_classifier takes its flag, e.g.
-    # Recipe("8b-nf4-lora8", "8b", ("--lora", "8", "--quantize", "nf4")),
+    Recipe("8b-nf4-lora8", "8b", ("--lora", "8", "--quantize", "nf4")),  # QLoRA: the frozen base in 4 bits
 ]
+PROFILE_STEPS = 3  # --profile: optimizer steps recorded by torch.profiler after the timed ones
 
 # Each shape as (on a GPU, under --quick). "small" is SmolLM2-135M's, the default job's model; --quick's stand-in
 # is a few blocks (one frozen below two trained, so the cache runs) and just the 512 ids the tokenizer makes.
@@ -118,6 +118,7 @@ RECIPE_KEYS = (
     "loss_last",
     "plan_peak_gib",
     "measured_peak_gib",
+    "load_peak_over_checkpoint",
 )
 
 STARTED = time.perf_counter()
@@ -204,6 +205,38 @@ class Steps:
         return loss / rows if rows else math.nan
 
 
+def total_steps(args: argparse.Namespace) -> int:
+    """Optimizer steps a recipe runs: warm-up, timed, and the profiled ones under --profile."""
+    return args.warmup + args.steps + (PROFILE_STEPS if args.profile else 0)
+
+
+def profile_steps(steps: Steps, first: int, device: torch.device, path: Path) -> None:
+    """PROFILE_STEPS more steps under torch.profiler: where a step's time goes, by operator, host and device side
+    (the question a slow tokens/s figure asks first: is the GPU busy, or waiting for the host?)."""
+    activities = [torch.profiler.ProfilerActivity.CPU]
+    if device.type == "cuda":
+        activities.append(torch.profiler.ProfilerActivity.CUDA)
+    sync(device)
+    start = time.perf_counter()
+    with torch.profiler.profile(activities=activities) as prof:
+        steps.to(first + PROFILE_STEPS)
+        sync(device)
+    wall = time.perf_counter() - start
+    events = prof.key_averages()
+    tables = [f"{PROFILE_STEPS} optimizer steps, {wall:.3f} s of wall time (profiler overhead included)\n"]
+    keys = ["self_cpu_time_total"] + (["self_device_time_total", "self_cuda_time_total"] if len(activities) > 1 else [])
+    for key in keys:
+        try:
+            tables.append(f"sorted by {key}\n" + events.table(sort_by=key, row_limit=30, max_name_column_width=70))
+        except (AttributeError, KeyError, ValueError) as e:  # the key's name differs between torch versions
+            tables.append(f"sorted by {key}: not available ({e})")
+        else:
+            if key != "self_cpu_time_total":
+                break  # one device-side table is enough
+    path.write_text("\n".join(tables) + "\n")
+    log(f"profile of {PROFILE_STEPS} steps written to {path} ({wall:.2f} s)")
+
+
 def timed_steps(steps: Steps, first: int, last: int, device: torch.device) -> dict:
     """Steps first+1..last timed, counting the host's waits for the GPU (each a warning under the debug mode)."""
     on_gpu = device.type == "cuda"
@@ -234,7 +267,7 @@ def timed_steps(steps: Steps, first: int, last: int, device: torch.device) -> di
 
 def prepare(recipe: Recipe, ckpt: Path, args: argparse.Namespace, strategy: Strategy, work: Path):
     """finetune_classifier's phases up to the loop, by its own functions: data, model, tokens, cache, settings."""
-    total = args.warmup + args.steps
+    total = total_steps(args)
     flags = ["--model", str(ckpt), "--device", args.device, "--batch-size", str(args.batch_size)]
     flags += ["--epochs", "1", "--max-steps", str(total), "--save-every", str(10**9), "--output", str(work)]
     fargs = finetune_args([*flags, *recipe.flags])
@@ -245,10 +278,14 @@ def prepare(recipe: Recipe, ckpt: Path, args: argparse.Namespace, strategy: Stra
     settings = train_settings(fargs, choice.from_scratch, labels, data.num_classes, strategy.processes, log)
     if (per_epoch := check_enough_data(len(labels), settings, strategy.processes)) < total:
         raise ValueError(f"{per_epoch} optimizer steps in an epoch: --warmup + --steps must fit in one")
+    free(strategy.device)  # the load's own peak: with --quantize, what the 4-bit base costs to stream in
     start = time.perf_counter()
     clf, tokenizer, _ = build_classifier(job, log)
     sync(strategy.device)
-    figures = {"load_seconds": time.perf_counter() - start}
+    figures = {"load_seconds": time.perf_counter() - start, "load_peak_over_checkpoint": None}
+    if strategy.device.type == "cuda":
+        ckpt_bytes = sum(f.stat().st_size for f in Path(ckpt).glob("*.safetensors"))
+        figures["load_peak_over_checkpoint"] = torch.cuda.max_memory_allocated(strategy.device) / ckpt_bytes
     splits, max_length = tokenize(parts, tokenizer, clf.backbone.cfg.max_seq_len, fargs.max_length, log)
     start = time.perf_counter()
     cached = use_cache(fargs.cache_frozen, clf, {k: v.ids for k, v in splits.items()}, strategy, log)
@@ -269,13 +306,15 @@ def run_recipe(recipe: Recipe, ckpt: Path, args: argparse.Namespace, strategy: S
     with tempfile.TemporaryDirectory(prefix="gpu-check-run-") as work:
         job, clf, model, train, settings, out = prepare(recipe, ckpt, args, strategy, Path(work))
         free(device)  # the steps' peak is measured from here: weights, cache and whatever training adds
-        steps = Steps(model, train, settings, strategy, args.warmup + args.steps, Path(work))
+        steps = Steps(model, train, settings, strategy, total_steps(args), Path(work))
         out["loss_first"] = steps.to(1)  # also allocates the optimizer's state
         steps.to(args.warmup - 1)
         attention = attention_backends(lambda: steps.to(args.warmup), device)  # the last warm-up step, profiled
         steps.to(args.warmup)  # nothing, unless the profiler failed before the step ran
         out |= {"sdpa_backend": attention["backend"], "sdpa": attention}
         timed = timed_steps(steps, args.warmup, args.warmup + args.steps, device)
+        if args.profile:
+            profile_steps(steps, args.warmup + args.steps, device, args.out / f"profile_{recipe.name}.txt")
     on_gpu = device.type == "cuda"
     out["measured_peak_gib"] = torch.cuda.max_memory_allocated(device) / GiB if on_gpu else None
     # The plan leaves the cache out (--plan reports it per token of the data): added to it here.
@@ -322,18 +361,18 @@ def markdown(result: dict) -> str:
         f"checkpoint {fmt(result['load_peak_ratio'], '.3f')}; {result['total_seconds']:.0f} s in all",
         "",
         "| recipe | trained params | batch | max len | tokens/s | MFU | syncs/step | attention | loss first -> last "
-        "| peak GiB | plan GiB | cache GiB |",
-        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | --- | --- | ---: | ---: | ---: |",
+        "| peak GiB | plan GiB | cache GiB | load peak/ckpt |",
+        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | --- | --- | ---: | ---: | ---: | ---: |",
     ]
     for r in result["recipes"]:
         if r["error"]:
-            lines.append(f"| {r['name']} | {r['error']} | | | | | | | | | | |")
+            lines.append(f"| {r['name']} | {r['error']} | | | | | | | | | | | |")
             continue
         lines.append(
             f"| {r['name']} | {r['trainable_params'] / 1e6:,.1f}M | {r['batch_size']} | {r['max_length']} | "
             f"{r['train_tokens_per_s']:,.0f} | {fmt(r['mfu'], '.1%')} | {fmt(r['syncs_per_step'])} | "
             f"{r['sdpa_backend']} | {r['loss_first']:.4f} -> {r['loss_last']:.4f} | {fmt(r['measured_peak_gib'])} | "
-            f"{r['plan_peak_gib']:.2f} | {fmt(r.get('cache_gib'))} |"
+            f"{r['plan_peak_gib']:.2f} | {fmt(r.get('cache_gib'))} | {fmt(r.get('load_peak_over_checkpoint'), '.3f')} |"
         )
     return "\n".join(lines)
 
@@ -371,6 +410,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--recipes", nargs="+", choices=[r.name for r in RECIPES], help="default: all")
     p.add_argument("--steps", type=int, help="timed optimizer steps per recipe (default: 20; 3 with --quick)")
     p.add_argument("--warmup", type=int, default=3, help="untimed steps first (at least 2; default 3)")
+    p.add_argument(
+        "--profile",
+        action="store_true",
+        help=f"then {PROFILE_STEPS} steps under torch.profiler: OUT/profile_RECIPE.txt",
+    )
     p.add_argument("--batch-size", type=int, default=8, help="rows per optimizer step (default: 8)")
     p.add_argument("--peak-tflops", type=float, help="the device's dense bf16 peak, if gpu_8b's table lacks it")
     args = p.parse_args(argv)

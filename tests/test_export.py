@@ -309,7 +309,6 @@ def test_the_export_streams_one_tensor_at_a_time(pretrained_run, tmp_path, monke
 
     real_read = export_weights.read_tensor
     monkeypatch.setattr(export_weights, "read_tensor", tracked)
-    monkeypatch.setattr(classify, "load_file", whole_file)
     monkeypatch.setattr("safetensors.torch.load_file", whole_file)
     export_hf.export(lora_run, out, "float32", max_shard_bytes=200_000, log=lambda *a: None)
 

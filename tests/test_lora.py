@@ -8,6 +8,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 import transformers
+from safetensors.torch import load_file
 from torch import nn
 
 from llama_scratch import Llama, LlamaClassifier, LlamaConfig, classify, finetune_classifier
@@ -181,7 +182,7 @@ def test_saved_run_classifies_as_at_the_end_of_training(small_csv, base, tmp_pat
     assert finetune_classifier.main(lora_args(small_csv, out, base, "--batch-size", "8", *lora)) == 0
     meta, metrics = (json.loads((out / name).read_text()) for name in ("classifier.json", "metrics.json"))
     clf, tokenizer, _ = classify.load_classifier(out, device="cpu")
-    saved = set(classify.load_file(out / "classifier.safetensors"))
+    saved = set(load_file(out / "classifier.safetensors"))
     assert saved == set(clf.trainable_parameters())
     if lora:
         assert meta["lora"] == {"rank": 4, "alpha": 8.0, "dropout": 0.0, "targets": ["q", "v", "o", "down"],
@@ -209,7 +210,7 @@ def test_ddp_two_processes_equal_one_process_with_lora(small_csv, base, tmp_path
     assert one.returncode == 0, one.stderr
     two = run_module(*lora_args(small_csv, ddp, base, "--batch-size", "4", *lora), torchrun=2)
     assert two.returncode == 0, two.stderr
-    a, b = (classify.load_file(d / "classifier.safetensors") for d in (single, ddp))
+    a, b = (load_file(d / "classifier.safetensors") for d in (single, ddp))
     assert a.keys() == b.keys() and any(k.endswith("lora_b") for k in a)
     assert max((a[k] - b[k]).abs().max().item() for k in a) <= 1e-5
     ma, mb = (json.loads((d / "metrics.json").read_text()) for d in (single, ddp))
