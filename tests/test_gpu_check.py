@@ -43,7 +43,12 @@ def test_quick_cpu_mode_reports_every_recipe(tmp_path):
         # Only a GPU has these figures: null, never made up.
         assert recipe["mfu"] is recipe["syncs_per_step"] is recipe["measured_peak_gib"] is None
     cached = {r["name"]: r["frozen_prefix_cache"] for r in result["recipes"]}
-    assert cached == {"8b-last2": True, "8b-lora8": True, "small-all": False}  # the real path's cache, where it applies
+    assert cached == {
+        "8b-last2": True,
+        "8b-lora8": True,
+        "small-all": False,
+        "8b-nf4-lora8": True,
+    }  # the real path's cache, where it applies
     assert set(result["summary"]["ran"]) == set(cached) and not result["summary"]["failed"]
     table = (out / "gpu_check.md").read_text()
     assert table in proc.stdout and all(f"| {name} |" in table for name in cached)
