@@ -579,3 +579,18 @@ def test_optimizer_step_counts_the_low_precision_gradients_still_held():
     lora = dataclasses.replace(r, lora=LoRASettings(8), world_size=8, shard=True, device_type="cpu")
     mine = count_parameters(cfg, 2, 2, LoRASettings(8), shards=8)
     assert plan_memory(lora).step_work == 2 * mine.trainable + 3 * 4 * mine.largest_trainable
+
+
+def test_plan_says_ddp_reduces_low_precision_gradients_in_float32():
+    """The gradients row names the reduction's dtype: float32 for a bfloat16 model's DDP buckets (the communication
+    hook, parallel/distributed.float32_all_reduce), their own for a float32 model, reduce-scattered in float32 when
+    sharded."""
+    cfg = LlamaConfig.from_name("llama3-8b")
+
+    def gradients_row(**kw) -> str:
+        plan = plan_memory(PlanInputs(cfg, 8, 128, train_last=2, world_size=8, **kw))
+        return next(line for line in format_plan(plan).splitlines() if line.strip().startswith("gradients"))
+
+    assert gradients_row(dtype=torch.bfloat16).endswith("buckets, kept between steps, all-reduced in float32")
+    assert gradients_row(dtype=torch.float32).endswith("buckets, kept between steps, all-reduced")
+    assert gradients_row(dtype=torch.bfloat16, shard=True).endswith("reduce-scattered in float32")
