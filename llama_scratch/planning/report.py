@@ -99,7 +99,7 @@ def format_plan(plan: MemoryPlan, gpu: tuple[str, int] | None = None) -> str:
     if r.optimizer_state == "float32" and s < FP32:
         step_note = "float32 gradients for the masters"
     else:
-        step_note = "per-tensor AdamW (sharded parameters)" if r.shard else "fused AdamW: none"
+        step_note = "foreach AdamW's sqrt(v) (sharded parameters)" if r.shard else "fused AdamW: none"
     row("optimizer step temporaries", plan.step_work, step_note)
     lines.append("")
     persistent = plan.persistent
