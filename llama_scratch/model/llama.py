@@ -221,6 +221,9 @@ def kernel_shares_heads(q: torch.Tensor, mask: torch.Tensor | None) -> bool:
     fall to the math kernel (float32 T x T scores per head; issue 20): a masked call (a KV cache's, query rows',
     packed texts' last tokens), float32, an older GPU. The CPU's flash kernel takes grouped heads in every dtype;
     masked calls repeat there too, so that the CPU runs the paths a GPU runs. Other devices: repeat.
+    Measured on an H200 (torch 2.11+cu130, cuDNN 9.19; 8B's heads, 8 x 512): cuDNN ran every bfloat16 call, shared
+    heads 1.3-1.7x faster forward and backward; with cuDNN off, shared heads went to flash without a mask and to
+    math with one (repeated: memory-efficient); float32 with shared heads went to math, 1.6x slower (causal).
     """
     if mask is not None or q.device.type not in ("cpu", "cuda"):
         return False
