@@ -199,3 +199,65 @@ def test_chunked_prefill_after_cached_positions(sdpa_calls):
     assert_issue_20_rule(sdpa_calls)
     second = sdpa_calls[CFG.n_layers : 2 * CFG.n_layers]
     assert all(c["mask"] and not c["is_causal"] and c["q"][2] == 7 and c["k"][2] == 12 for c in second)
+
+
+# ---------------------------------------------------------------------------------------------- repeat or share
+
+
+def every_path() -> list[torch.Tensor]:
+    """The outputs of every layout attention serves: no padding (is_causal), right and left padding, the
+    classifier's last token (query rows), packed texts and their last tokens, a cache's prefill, chunked prefill
+    (a mask after cached keys) and decoding, and a left-padded batch decoded with its mask."""
+    from llama_scratch.model.packing import pack_ids
+
+    model = tiny()
+    clf = LlamaClassifier(model, num_classes=3, train_last=2).eval()
+    outputs = []
+    with torch.no_grad():
+        outputs.append(model(batch("none")[0]))
+        for side in ("right", "left"):
+            ids, mask = batch(side)
+            outputs += [model(ids, mask), clf(ids, mask)]
+        g = torch.Generator().manual_seed(2)
+        ids, layout = pack_ids([torch.randint(1, CFG.vocab_size, (n,), generator=g).tolist() for n in LENGTHS])
+        outputs.append(clf(ids, packed=layout))
+        ids = torch.randint(0, CFG.vocab_size, (2, 12), generator=g)
+        cache = KVCache(model, 2, 13)
+        outputs += [model(ids[:, :5], cache=cache), model(ids[:, 5:], cache=cache), model(ids[:, :1], cache=cache)]
+        ids, mask = batch("left")
+        cache = KVCache(model, ids.shape[0], ids.shape[1] + 1)
+        outputs.append(model(ids, mask, cache=cache))
+        mask = torch.cat([mask, torch.ones_like(mask[:, :1])], dim=1)
+        outputs.append(model(ids[:, -1:], mask, cache=cache))
+    return outputs
+
+
+def test_sharing_key_value_heads_equals_repeating_them_on_every_path(monkeypatch, sdpa_calls):
+    """Where the kernel shares key/value heads (`enable_gqa`) and where they are repeated first is a speed choice
+    (model.llama.kernel_shares_heads): every path's output is the same, in float32, to 1e-6, with the rule, with
+    every call repeating, and with every call sharing (the CPU's kernel takes a mask with shared heads too)."""
+    from llama_scratch.model import llama
+
+    by_rule = every_path()
+    assert any(c["enable_gqa"] for c in sdpa_calls) and any(c["mask"] and not c["enable_gqa"] for c in sdpa_calls)
+    for always in (False, True):
+        monkeypatch.setattr(llama, "kernel_shares_heads", lambda q, mask, always=always: always)
+        sdpa_calls.clear()
+        other = every_path()
+        assert all(c["enable_gqa"] is always for c in sdpa_calls)
+        for a, b in zip(by_rule, other, strict=True):
+            torch.testing.assert_close(a, b, rtol=0, atol=1e-6)
+
+
+def test_kernel_shares_heads_only_where_a_fast_kernel_takes_them():
+    """No mask: shared on the CPU; on CUDA only in half precision (flash's dtypes). A mask: repeated everywhere.
+    (The GPU's compute capability is asked only for a CUDA tensor; meta tensors stand in for the others.)"""
+    from llama_scratch.model.llama import kernel_shares_heads
+
+    q, mask = torch.zeros(1, 8, 4, 8), torch.ones(1, 1, 4, 4, dtype=torch.bool)
+    assert kernel_shares_heads(q, None) and not kernel_shares_heads(q, mask)
+    assert not kernel_shares_heads(q.to("meta"), None)
+    if torch.cuda.is_available():
+        cuda = q.cuda()
+        assert not kernel_shares_heads(cuda, None) and not kernel_shares_heads(cuda.bfloat16(), mask.cuda())
+        assert kernel_shares_heads(cuda.bfloat16(), None) == (torch.cuda.get_device_capability() >= (8, 0))

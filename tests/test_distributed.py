@@ -102,3 +102,65 @@ CACHE_SCRIPT = textwrap.dedent(
 
 def test_frozen_prefix_cache_is_computed_in_shares_and_exchanged(tmp_path):
     run_on_two_processes(CACHE_SCRIPT, tmp_path / "ddp_cache.py")
+
+
+REDUCTION_SCRIPT = textwrap.dedent(
+    """
+    import os
+
+    import torch
+    from torch import nn
+    from torch.nn.parallel import DistributedDataParallel
+
+    from llama_scratch import Llama, LlamaClassifier, LlamaConfig
+    from llama_scratch.parallel import distributed
+    from llama_scratch.parallel.strategy import choose_strategy, teardown
+
+    strategy = choose_strategy("cpu")
+    rank = strategy.processes.rank
+
+    def hooks(model):
+        return [hook.__name__ for hook, _ in model._comm_hooks]
+
+    # The hook goes on low-precision models only: a float32 model's buckets are float32 already.
+    for dtype, expected in ((torch.bfloat16, ["float32_all_reduce"]), (torch.float32, [])):
+        torch.manual_seed(0)
+        clf = LlamaClassifier(Llama(LlamaConfig.from_name("tiny", dtype=dtype)), num_classes=2, train_last=1)
+        registered = hooks(strategy.wrap(clf))
+        assert registered == expected, (dtype, registered)
+
+    class Scale(nn.Module):  # d(w * x).sum() / dw = x: each process chooses its gradient exactly
+        def __init__(self, n):
+            super().__init__()
+            self.w = nn.Parameter(torch.ones(n, dtype=torch.bfloat16))
+
+        def forward(self, x):
+            return (self.w * x).sum()
+
+    # Both processes know both gradients: ordinary values, and the smallest bfloat16 ones (subnormal multiples of
+    # 2**-133), which DDP's default halves in bfloat16 before summing, losing their last bit. (With two processes
+    # that halving is all a bfloat16 reduction loses: the sum of two values rounds once, as float32's does.)
+    tiny = 2.0**-133
+    g = torch.Generator().manual_seed(1)
+    grads = [torch.cat([torch.randn(64, generator=g), torch.full((4,), tiny), torch.tensor([tiny, 3 * tiny])])
+             for _ in range(2)]
+    grads = [t.bfloat16() for t in grads]
+    float32_mean = ((grads[0].float() + grads[1].float()) / 2).bfloat16()
+
+    def reduced(model):
+        model(grads[rank]).backward()
+        return next(model.parameters()).grad.clone()
+
+    ours = reduced(distributed.wrap(Scale(70), strategy.processes, strategy.device))
+    assert torch.equal(ours, float32_mean), (ours - float32_mean).abs().max()
+    default = reduced(DistributedDataParallel(Scale(70)))
+    assert not torch.equal(default, float32_mean) and torch.equal(default[:64], float32_mean[:64])
+    assert default[64:68].count_nonzero() == 0 and float32_mean[64:68].count_nonzero() == 4
+    os.write(1, f"rank {rank} ok\\n".encode())  # one write: the two ranks share the pipe
+    teardown()
+    """
+)
+
+
+def test_ddp_reduces_bfloat16_gradients_in_float32(tmp_path):
+    run_on_two_processes(REDUCTION_SCRIPT, tmp_path / "ddp_reduction.py")

@@ -327,3 +327,49 @@ def test_sharded_random_weights_start_as_one_process_without_a_whole_copy(tmp_pa
     every weight (the tied embedding, the norms' ones, the head) equals what one process draws from the same
     seed. Before, each process built the whole preset on its device first."""
     run_on_two_processes(RANDOM_START_SCRIPT, tmp_path / "random_start.py")
+
+
+FOREACH_SCRIPT = """
+import os
+import tempfile
+from pathlib import Path
+
+import torch
+from llama_scratch.data.batching import TokenizedSplit
+from llama_scratch.parallel import sharding
+from llama_scratch.parallel.strategy import choose_strategy, optimizer_kernels, teardown
+from llama_scratch.training import loop
+from llama_scratch.training.loop import TrainSettings, make_optimizer, train
+
+strategy = choose_strategy("cpu", shard=True)
+ids = [[1 + (i * 7 + j) % 100 for j in range(5 + i % 4)] for i in range(32)]
+split = TokenizedSplit(ids, [i % 2 for i in range(32)])
+one_at_a_time = lambda params: {**optimizer_kernels(params), "foreach": False}  # noqa: E731  (before this change)
+# torch's AdamW on float32 weights; ours (float32 master weights) on bfloat16 ones; every layer and the last 2
+for state, dtype, train_last in (("param", torch.float32, None), ("float32", torch.bfloat16, 2)):
+    trained = {}
+    for kernels in (optimizer_kernels, one_at_a_time):
+        torch.manual_seed(0)
+        clf = strategy.build_classifier("tiny", dtype, 2, train_last, None)
+        loop.optimizer_kernels = kernels
+        groups = make_optimizer(clf, TrainSettings()).param_groups
+        assert [g["foreach"] for g in groups] == [kernels is optimizer_kernels] * 2, (state, groups)
+        assert all(sharding.is_dtensor(p) for g in groups for p in g["params"])
+        settings = TrainSettings(epochs=1, batch_size=4, lr=1e-3, save_every=1000, optimizer_state=state)
+        with tempfile.TemporaryDirectory() as out:
+            train(clf, {"train": split, "val": split}, settings, strategy, Path(out), log=lambda *a: None)
+        trained[kernels] = {n: p.to_local().float() for n, p in clf.named_parameters() if p.requires_grad}
+    foreach, before = trained[optimizer_kernels], trained[one_at_a_time]
+    moved = max((p - q).abs().max().item() for p, q in zip(foreach.values(), before.values(), strict=True))
+    os.write(1, f"rank {strategy.processes.rank} {state}: largest difference {moved:.3g}\\n".encode())
+    assert moved == 0.0, (state, moved)
+os.write(1, f"rank {strategy.processes.rank} ok\\n".encode())  # one write: the two ranks share the pipe
+teardown()
+"""
+
+
+def test_sharded_adamw_steps_all_tensors_at_once_as_it_did_one_at_a_time(tmp_path):
+    """Sharded parameters (DTensors) take AdamW's multi-tensor (foreach) kernel, and two sharded processes train to
+    the weights the one-tensor-at-a-time kernel reached before: float32 AdamW and the float32 masters of bfloat16
+    weights alike."""
+    run_on_two_processes(FOREACH_SCRIPT, tmp_path / "sharded_foreach.py", timeout=300)

@@ -70,15 +70,19 @@ def choose_strategy(device: str | None = None, shard: bool = False, shard_group:
 def optimizer_kernels(params: list[torch.Tensor]) -> dict[str, bool | None]:
     """AdamW's `fused` and `foreach` arguments for these parameters. The fused kernel on GPUs and CPUs: no
     temporaries (foreach briefly copies the state: 15 GB for all of 8B), and fast (the default job's step on 2 CPU
-    cores: 2.1 ms, 17 ms a tensor at a time). Sharded parameters (DTensors) step one tensor at a time: the fused
-    kernel gathered them whole in our simulation (127 GiB a process, 8B on 8).
+    cores: 2.1 ms, 17 ms a tensor at a time). Sharded parameters (DTensors) take the multi-tensor (foreach) kernel:
+    the fused one gathered them whole in our simulation (127 GiB a process, 8B on 8), while DTensor runs each
+    foreach op on the local shards (torch >= 2.4, all of them on one mesh, as sharding.shard_model puts them), a
+    few launches per group instead of a few per tensor; its temporaries, one copy of this process's share of the
+    second moments (sqrt(v)), are in the plan (planning/memory.optimizer_bytes). Explicit, not None: torch
+    defaults DTensors to foreach on GPUs only, and to one tensor at a time on a CPU.
 
     Read from the tensors rather than asked of a strategy: the optimizer is built from whatever parameters it is
     given (benchmarks build it on sharded models of their own), and it is the tensors' kind that the kernel cares
     about."""
     sharded = any(sharding.is_dtensor(p) for p in params)
     fused = (bool(params) and all(p.device.type in ("cuda", "cpu") for p in params) and not sharded) or None
-    return {"fused": fused, "foreach": False if sharded else None}
+    return {"fused": fused, "foreach": True if sharded else None}
 
 
 @dataclass(frozen=True)

@@ -279,10 +279,10 @@ def optimizer_bytes(r: PlanInputs, counts) -> tuple[int, int]:
     master = r.optimizer_state == "float32" and s < FP32
     state_size = FP32 if r.optimizer_state == "float32" else s
     state = 2 * state_size * p + (FP32 * p if master else 0)
-    # fused AdamW (GPUs and CPUs) needs no temporaries; per-tensor AdamW (sharded parameters) holds a few of the
-    # largest: sqrt(v), ...
-    per_tensor = r.shard
-    temporaries = 3 * state_size * counts.largest_trainable if per_tensor else 0
+    # fused AdamW (GPUs and CPUs) needs no temporaries; multi-tensor (foreach) AdamW, for sharded parameters
+    # (strategy.optimizer_kernels), makes sqrt(v) of a whole parameter group at once: this process's share of the
+    # second moments (counted whole: the norm gains' group, stepped apart, is a few thousandths of it).
+    temporaries = state_size * p if r.shard else 0
     if not master:
         return state, temporaries
     # float32 gradients replace the low-precision ones, one tensor at a time, before AdamW steps

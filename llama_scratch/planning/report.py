@@ -108,7 +108,7 @@ def format_plan(plan: MemoryPlan, gpu: tuple[str, int] | None = None) -> str:
     if r.optimizer_state == "float32" and s < FP32:
         step_note = "float32 gradients for the masters"
     else:
-        step_note = "per-tensor AdamW (sharded parameters)" if r.shard else "fused AdamW: none"
+        step_note = "foreach AdamW's sqrt(v) (sharded parameters)" if r.shard else "fused AdamW: none"
     row("optimizer step temporaries", plan.step_work, step_note)
     lines.append("")
     persistent = plan.persistent
@@ -144,8 +144,9 @@ def weights_rows(plan: MemoryPlan, share: str) -> list[tuple[str, int, str]]:
 def gradients_note(r: PlanInputs, share: str) -> str:
     if r.shard:
         return f"this process's rows{share}, reduce-scattered in float32"
-    if r.world_size > 1:
-        return "views of DDP's all-reduce buckets, kept between steps"
+    if r.world_size > 1:  # distributed.float32_all_reduce: low-precision buckets are averaged in float32
+        reduced = "all-reduced in float32" if r.param_dtype.itemsize < FP32 else "all-reduced"
+        return f"views of DDP's all-reduce buckets, kept between steps, {reduced}"
     return "kept while micro-batches accumulate" if r.grad_accum > 1 else "from backward to the optimizer step"
 
 

@@ -142,8 +142,8 @@ def epochs_for_min_steps(n_train: int, s: TrainSettings, processes: Processes) -
 def make_optimizer(model: nn.Module, s: TrainSettings) -> torch.optim.AdamW:
     """AdamW over trainable parameters only (frozen ones get no state). Norm gains are not weight-decayed.
 
-    The kernel is chosen for the parameters' kind (`optimizer_kernels`): fused on GPUs and CPUs, one tensor at a
-    time for sharded parameters (DTensors), which the fused kernel would gather whole.
+    The kernel is chosen for the parameters' kind (`optimizer_kernels`): fused on GPUs and CPUs, multi-tensor
+    (foreach) for sharded parameters (DTensors), which the fused kernel would gather whole.
     "float32" `optimizer_state` on low-precision parameters steps float32 masters (MasterWeightAdamW).
     """
     if s.optimizer_state not in ("param", "float32"):
