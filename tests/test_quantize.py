@@ -109,6 +109,26 @@ def test_quantized_linear_computes_with_the_dequantized_weight():
         QuantizedLinear(100, 4, "nf4", torch.float32)
 
 
+def test_the_levels_are_copied_to_a_device_once(monkeypatch):
+    """A copy of the code book in every forward is a blocking copy from host memory on a GPU: the host waits in
+    every quantized layer (14 waits a step on an H200 before this, gpu_check 2026-11-26). Once per device."""
+    from llama_scratch.model import quantize
+
+    real, copies = quantize.NF4, []
+
+    class Levels:  # the code book, its copies to a device counted
+        def to(self, device):
+            copies.append(device)
+            return real.to(device)
+
+    monkeypatch.setattr(quantize, "NF4", Levels())
+    monkeypatch.setattr(quantize, "_NF4_ON", {})
+    layer = QuantizedLinear.from_linear(nn.Linear(128, 32, bias=False), "nf4")
+    x = torch.randn(3, 128)
+    first = layer(x)
+    assert torch.equal(layer(x), first) and copies == [torch.device("cpu")]
+
+
 # --- a quantized model ----------------------------------------------------------------------------------------------
 
 
