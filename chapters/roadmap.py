@@ -27,6 +27,7 @@ CHAPTERS = {
     9: "several\nGPUs",
     10: "generating\ntext",
     11: "LoRA",
+    12: "four bits",
 }
 
 # The parts of the block diagram, left to right: (key, label, kind). Text flows from the tokenizer to the head;
@@ -60,6 +61,7 @@ BUILDS = {
     9: EVERYTHING,  # the whole training run, copied on each GPU or sharded across them
     10: ("attention", "head"),  # the key/value cache and the next-token head
     11: ("attention", "ffn"),  # adapters on the seven projections
+    12: ("attention", "ffn"),  # their frozen weights held in 4 bits (NF4), adapters on top
 }
 
 HIGHLIGHT = "#f4a261"

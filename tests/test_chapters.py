@@ -96,7 +96,7 @@ def clean(nb: nbformat.NotebookNode) -> nbformat.NotebookNode:
 
 def test_chapters_are_numbered_in_reading_order():
     numbers = [int(p.name[:2]) for p in NOTEBOOKS]
-    assert numbers == list(range(1, 12)), [p.name for p in NOTEBOOKS]
+    assert numbers == list(range(1, 13)), [p.name for p in NOTEBOOKS]
     readme = (CHAPTERS / "README.md").read_text()
     assert all(p.name in readme for p in NOTEBOOKS), "chapters/README.md lists every chapter"
 
