@@ -90,8 +90,10 @@ def test_ddp_two_processes_equal_one_process(small_csv, tmp_path):
     assert max((a[k] - b[k]).abs().max().item() for k in a) <= 1e-5
     ma, mb = (json.loads((d / "metrics.json").read_text()) for d in (single, ddp))
     assert mb["world_size"] == 2
-    for key in ("train_accuracy", "val_accuracy", "test_accuracy", "test_confusion", "steps"):
+    for key in ("train_accuracy", "val_accuracy", "test_accuracy", "test_confusion", "test_macro_f1", "steps"):
         assert ma[key] == mb[key], key
+    # Each process's probabilities in its own stretch, summed: the ranking is the whole test split's.
+    assert abs(ma["test_roc_auc"] - mb["test_roc_auc"]) < 1e-9
     assert abs(ma["test_loss"] - mb["test_loss"]) < 1e-5
 
 
