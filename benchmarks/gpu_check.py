@@ -198,10 +198,10 @@ class Steps:
 
     def to(self, step: int) -> float:
         """Train until `step` optimizer steps in all; the mean loss of the steps this call ran."""
-        before = list(self.state.epoch_sums)
+        before = list(self.state.row_sums)
         self.loop.total = step
         train_epoch(self.loop, self.split, self.state)
-        loss, _, rows = (a - b for a, b in zip(self.state.epoch_sums, before, strict=True))
+        loss, _, rows = (a - b for a, b in zip(self.state.row_sums, before, strict=True))
         return loss / rows if rows else math.nan
 
 

@@ -7,6 +7,7 @@ import argparse
 from pathlib import Path
 
 from .model.lora import TARGETS, LoRASettings
+from .training.evaluation import SELECT_BY
 from .training.loop import TrainSettings
 
 
@@ -134,7 +135,27 @@ def build_parser() -> argparse.ArgumentParser:
         "--clip-grad", type=float, default=d.clip_grad, help=f"max gradient norm, 0: off (default: {d.clip_grad})"
     )
     g.add_argument(
-        "--patience", type=int, help="stop after this many epochs without a better validation result (default: never)"
+        "--eval-every",
+        type=int,
+        metavar="N",
+        default=d.eval_every,
+        help="evaluate on the validation split every N optimizer steps as well as at each epoch's end: a row of "
+        "history.csv each time, and the best weights and --patience decided there too (default: "
+        f"{d.eval_every or 'each epoch only'})",
+    )
+    g.add_argument(
+        "--select-by",
+        choices=SELECT_BY,
+        default=d.select_by,
+        help="the validation measure the kept weights are best at: accuracy, macro_f1 (the mean of the classes' "
+        f"F1, for imbalanced labels) or loss (default: {d.select_by})",
+    )
+    g.add_argument(
+        "--patience",
+        type=int,
+        default=d.patience,
+        help="stop after this many evaluations without a better validation result: epochs, or with --eval-every "
+        f"evaluations (default: {d.patience or 'never'})",
     )
     g.add_argument(
         "--class-weights",
@@ -239,6 +260,13 @@ def build_parser() -> argparse.ArgumentParser:
         default=d.save_every,
         help=f"optimizer steps between resume points (default: {d.save_every})",
     )
+    g.add_argument(
+        "--tensorboard",
+        type=Path,
+        metavar="DIR",
+        help="also write each evaluation's figures as TensorBoard scalars to DIR (needs the optional "
+        "tensorboard package: pip install 'llama-scratch[tensorboard]') (default: off)",
+    )
     g.add_argument("--resume", action="store_true", help="continue the interrupted run in --output")
     g.add_argument("--overwrite", action="store_true", help="replace the run in --output, finished or not")
     return p
@@ -272,6 +300,7 @@ CHANGEABLE_ON_RESUME = frozenset(
         "world_size",
         "nodes",
         "gpu_memory",
+        "tensorboard",
     }
 )
 _NOT_RECORDED = ("output", "resume", "overwrite", "given")  # this invocation's, not the run's

@@ -41,14 +41,14 @@ from .sources.resolve import (
     resolve_tokenizer,
     trains_from_scratch,
 )
-from .training.evaluation import evaluate, per_class, warn_if_one_class
+from .training.board import open_board
+from .training.evaluation import evaluate, kept_row, per_class, warn_if_one_class
 from .training.interrupts import sigterm_as_ctrl_c
 from .training.loop import (
     RESUME_DIR,
     RESUME_FILE,
     TrainingDiverged,
     TrainSettings,
-    TrainState,
     balanced_weights,
     check_same_run,
     epochs_for_min_steps,
@@ -89,6 +89,8 @@ def train_settings(
         save_every=args.save_every,
         optimizer_state=args.optimizer_state,
         patience=args.patience,
+        eval_every=args.eval_every,
+        select_by=args.select_by,
         class_weights=balanced_weights(train_labels, num_classes) if args.class_weights == "balanced" else None,
     )
     n_train = len(train_labels)
@@ -126,6 +128,7 @@ class Job:
     protocol: str
     choice: ModelChoice
     out: Path
+    board: Callable[[dict], None] | None = None  # --tensorboard: writes each history row (training.board)
 
 
 def read_data(args: argparse.Namespace, log) -> tuple[LabelledTexts, dict[str, LabelledTexts], str]:
@@ -279,6 +282,7 @@ def prepare(args: argparse.Namespace, progress: Progress) -> tuple[Job, TrainSet
     log(f"output: {out}/")
     check_output(out, args.resume, args.overwrite)  # before anything is loaded or written
     job = Job(args, strategy, started, data, parts, protocol, choice, out)
+    job.board = open_board(args.tensorboard, strategy.is_main)  # a missing package: refused before anything is written
     settings = train_settings(
         args, choice.from_scratch, parts["train"].labels, data.num_classes, strategy.processes, log
     )
@@ -329,9 +333,10 @@ def run(args: argparse.Namespace, progress: Progress | None = None) -> dict:
         lambda epoch: save(out / BEST_FILE),
         log,
         run_identity=run_identity(job, max_length),
+        on_row=job.board,
     )
     progress.phase = "evaluating the best weights"
-    log(kept_epoch(state))
+    log(kept_row(state.history, state.best_step, settings.select_by))
     metrics = final_metrics(job, model, clf, splits, settings, state)
     run_id = strategy.on_main(new_run_id)
     progress.phase = "writing the results"
@@ -345,19 +350,6 @@ def run(args: argparse.Namespace, progress: Progress | None = None) -> dict:
         f"Results in {out}/"
     )
     return metrics
-
-
-def kept_epoch(state: TrainState) -> str:
-    """Which epoch's weights the run keeps, and why: the final figures are theirs, not the last epoch's (whose
-    training accuracy was also counted on the batches as they trained, not in a pass of its own)."""
-    last = state.history[-1]["epoch"] if state.history else 0
-    best = next((r for r in state.history if r["epoch"] == state.best_epoch), None)
-    if best is None:
-        return "no epoch was evaluated: keeping the weights as they are"
-    why = f"the best validation accuracy, {best['val_accuracy']:.2%}, at validation loss {best['val_loss']:.4f}"
-    if state.best_epoch == last:
-        return f"keeping the last epoch's weights (epoch {last}: {why})"
-    return f"keeping epoch {state.best_epoch}'s weights, not epoch {last}'s ({why}); the figures below are for them"
 
 
 def check_resume_point(job: Job, settings: TrainSettings) -> None:
@@ -442,7 +434,11 @@ def final_metrics(
     saved = dict(clf.named_parameters()) if job.choice.from_scratch else clf.trainable_parameters()
     strategy.load_trained(clf, saved, best)
     data, choice = job.data, job.choice
-    results = {k: evaluate(model, splits[k], settings, strategy, f"final {k}") for k in ("train", "val", "test")}
+    two = data.num_classes == 2  # ROC AUC: the second class's probability ranked, for the test split
+    results = {
+        k: evaluate(model, splits[k], settings, strategy, f"final {k}", two and k == "test")
+        for k in ("train", "val", "test")
+    }
     return {
         "model": choice.ref,
         "data": job.args.data,
@@ -452,9 +448,13 @@ def final_metrics(
         "label_names": data.label_names,
         **{f"{k}_accuracy": r["accuracy"] for k, r in results.items()},
         **{f"{k}_loss": r["loss"] for k, r in results.items()},
+        **{f"{k}_macro_f1": r["macro_f1"] for k, r in results.items()},
+        **({"test_roc_auc": results["test"]["roc_auc"]} if two else {}),
         "test_per_class": per_class(results["test"]["confusion"], data.label_names),
         "test_confusion": results["test"]["confusion"],
         "best_epoch": state.best_epoch,
+        "best_step": state.best_step,
+        "select_by": settings.select_by,
         "steps": state.step,
         "seconds": time.perf_counter() - job.started,
         "train_seconds": state.train_seconds,

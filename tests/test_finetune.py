@@ -90,8 +90,10 @@ def test_ddp_two_processes_equal_one_process(small_csv, tmp_path):
     assert max((a[k] - b[k]).abs().max().item() for k in a) <= 1e-5
     ma, mb = (json.loads((d / "metrics.json").read_text()) for d in (single, ddp))
     assert mb["world_size"] == 2
-    for key in ("train_accuracy", "val_accuracy", "test_accuracy", "test_confusion", "steps"):
+    for key in ("train_accuracy", "val_accuracy", "test_accuracy", "test_confusion", "test_macro_f1", "steps"):
         assert ma[key] == mb[key], key
+    # Each process's probabilities in its own stretch, summed: the ranking is the whole test split's.
+    assert abs(ma["test_roc_auc"] - mb["test_roc_auc"]) < 1e-9
     assert abs(ma["test_loss"] - mb["test_loss"]) < 1e-5
 
 
@@ -215,18 +217,18 @@ def test_resume_refuses_another_world_size_or_model(tmp_path):
     assert load_resume_point(path, clf, opt, sched, s, {"world_size": 4, "model": "a"}).step == 0
 
 
-def test_a_resume_point_from_before_epoch_sums_still_loads(tmp_path):
-    """Resume points written before TrainState.epoch_sums existed lack that key; they resume with the sums at zero."""
+def test_a_resume_point_from_before_row_sums_still_loads(tmp_path):
+    """Resume points written before TrainState.row_sums existed lack that key; they resume with the sums at zero."""
     from llama_scratch.training.loop import TrainState, load_resume_point, save_resume_point
 
     clf, opt, sched, s = resume_parts()
     path = tmp_path / "resume.safetensors"
     save_resume_point(path, clf, opt, sched, TrainState(step=7, batches_done=3), s, {"model": "a"})
     tensors, record = load_file(path), json.loads(safe_open(path, "pt").metadata()["llama_scratch"])
-    del record["state"]["epoch_sums"]
+    del record["state"]["row_sums"]
     save_file(tensors, path, metadata={"llama_scratch": json.dumps(record)})
     state = load_resume_point(path, clf, opt, sched, s, {"model": "a"})
-    assert (state.step, state.batches_done, state.epoch_sums) == (7, 3, [0.0, 0.0, 0.0])
+    assert (state.step, state.batches_done, state.row_sums) == (7, 3, [0.0, 0.0, 0.0])
 
 
 def test_a_repo_id_is_told_apart_from_presets_and_paths(tmp_path):
@@ -311,11 +313,13 @@ def test_resume_refuses_other_flags_or_data_before_loading_anything(small_csv, t
 
 
 def test_the_kept_epoch_is_said_and_marked():
-    from llama_scratch.training.loop import TrainState
+    from llama_scratch.training.evaluation import kept_row
 
-    rows = [{"epoch": e, "val_accuracy": acc, "val_loss": 0.1} for e, acc in ((1, 0.9), (2, 0.95), (3, 0.93))]
-    said = finetune_classifier.kept_epoch(TrainState(best_epoch=2, history=rows))
+    rows = [
+        {"epoch": e, "step": 4 * e, "val_accuracy": acc, "val_loss": 0.1, "val_macro_f1": acc - 0.1}
+        for e, acc in ((1, 0.9), (2, 0.95), (3, 0.93))
+    ]
+    said = kept_row(rows, 8, "accuracy")
     assert said.startswith("keeping epoch 2's weights, not epoch 3's (the best validation accuracy, 95.00%")
-    assert finetune_classifier.kept_epoch(TrainState(best_epoch=3, history=rows[:1] + rows[2:])).startswith(
-        "keeping the last epoch's weights (epoch 3"
-    )
+    assert kept_row(rows[:1] + rows[2:], 12, "accuracy").startswith("keeping the last epoch's weights (epoch 3")
+    assert "the best validation macro-F1, 0.8500" in kept_row(rows, 8, "macro_f1")

@@ -198,3 +198,22 @@ def test_evaluation_reads_the_device_once():
     assert result["confusion"] == expected.tolist() and result["count"] == 12
     assert result["accuracy"] == expected.diag().sum().item() / 12
     assert result["loss"] == pytest.approx(torch.nn.functional.cross_entropy(logits, labels).item(), rel=1e-5)
+
+
+def test_evaluations_inside_an_epoch_read_the_device_once_each(monkeypatch):
+    """--eval-every 1 over an epoch of 3 steps: one read a step, and one an evaluation (after steps 1 and 2; the
+    epoch's end is `train`'s), nothing for recording the row or choosing the best."""
+    settings = train.TrainSettings(epochs=1, batch_size=2, save_every=100, eval_every=1)
+    torch.manual_seed(0)
+    clf = LlamaClassifier(Llama(LlamaConfig.from_name("tiny")), num_classes=3, train_last=2)
+    gpu, optimizer = SimulatedGPU(), train.make_optimizer(clf, settings)
+    monkeypatch.setattr(train, "epoch_batches", uncounted(gpu, train.epoch_batches))
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0)
+    loop = train.Loop(clf, optimizer, scheduler, settings, Replicated(device=torch.device("cuda")), 3, None, {})
+    loop.val, loop.log, loop.save_point = texts(6), lambda *a: None, lambda state: None  # no resume file here
+    with gpu, SizedByValues(gpu):
+        gpu.counting = True
+        state = train.TrainState()
+        assert train.train_epoch(loop, texts(6), state)
+    assert [r["step"] for r in state.history] == [1, 2]
+    assert gpu.syncs == ["tolist"] * 5

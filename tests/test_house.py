@@ -12,6 +12,8 @@ DEFERRED = {"matplotlib", "matplotlib.pyplot", "pyarrow.parquet"}
 DEFERRED |= {"torch.distributed.device_mesh", "torch.distributed.fsdp", "torch.distributed.tensor"}
 # gguf: only converting a GGUF file needs it; a machine without it (the lent GPU) still imports everything else.
 DEFERRED |= {"gguf", "gguf.constants"}
+# tensorboard: an optional extra, imported only under --tensorboard (training/board.py).
+DEFERRED |= {"torch.utils.tensorboard"}
 
 
 def module_name(path: Path) -> str:

@@ -1,4 +1,5 @@
-"""Evaluation: loss, accuracy and the confusion matrix over a whole split, and per-class figures from it."""
+"""Evaluation: loss, accuracy and the confusion matrix over a whole split, per-class figures and macro-F1 from it,
+ROC AUC from the probabilities, and which evaluation's weights a run keeps (`--select-by`)."""
 
 from __future__ import annotations
 
@@ -21,15 +22,23 @@ class EvalSettings(Protocol):
     padding_side: str
 
 
-def evaluate(model: nn.Module, split: TokenizedSplit, s: EvalSettings, strategy: Strategy, desc: str) -> dict:
+SELECT_BY = ("accuracy", "macro_f1", "loss")  # what --select-by may name: the measure the kept weights are best at
+
+
+def evaluate(
+    model: nn.Module, split: TokenizedSplit, s: EvalSettings, strategy: Strategy, desc: str, scores: bool = False
+) -> dict:
     """See `_evaluate`; without gradients, in the strategy's way (inference_mode; sharded, no_grad, which FSDP2
     can free after: `Strategy.forwards_only`). `Replicated()` evaluates in one process on the CPU."""
     with strategy.forwards_only(model):
-        return _evaluate(model, split, s, strategy, desc)
+        return _evaluate(model, split, s, strategy, desc, scores)
 
 
-def _evaluate(model: nn.Module, split: TokenizedSplit, s: EvalSettings, strategy: Strategy, desc: str) -> dict:
-    """Loss, accuracy and confusion matrix over a whole split, shared out across processes.
+def _evaluate(
+    model: nn.Module, split: TokenizedSplit, s: EvalSettings, strategy: Strategy, desc: str, scores: bool = False
+) -> dict:
+    """Loss, accuracy, macro-F1 and confusion matrix over a whole split, shared out across processes; with
+    `scores` (two classes), the ROC AUC of the second class's probability as well, read in the same one read.
 
     Each process takes every N-th row (no padding rows, unlike `DistributedSampler`), so summing the counts
     over processes counts every row exactly once. Rows are sorted by length so batches carry little padding.
@@ -40,6 +49,10 @@ def _evaluate(model: nn.Module, split: TokenizedSplit, s: EvalSettings, strategy
     model.eval()
     batches = length_sorted_batches([len(x) for x in split.ids], s.eval_rows, processes.rank, processes.world_size)
     loss_sum = torch.zeros((), dtype=torch.float64, device=device)
+    # Each process writes its rows' probabilities into its own stretch of one vector (offsets known on the host:
+    # no index tensor to copy), so summing over processes gathers them all.
+    order, offset = score_order(split, s.eval_rows, processes.rank, processes.world_size) if scores else ([], 0)
+    probs = torch.zeros(len(order), dtype=torch.float64, device=device)
     confusion = torch.zeros(num_classes, num_classes, dtype=torch.float64, device=device)  # [true, predicted]
     # Sharded, every process runs every forward (its blocks are gathered from everyone): one with fewer batches
     # runs a one-row batch more whose result it drops.
@@ -51,16 +64,32 @@ def _evaluate(model: nn.Module, split: TokenizedSplit, s: EvalSettings, strategy
             continue
         loss_sum += F.cross_entropy(logits, batch["labels"], reduction="sum").double()
         confusion += count_pairs(batch["labels"], logits.argmax(-1), num_classes)
-    totals = strategy.all_sum(torch.cat([loss_sum.view(1), confusion.flatten()])).tolist()  # the one read
+        if scores:
+            start = offset + k * s.eval_rows
+            probs[start : start + len(rows)] = logits.softmax(-1)[:, -1].double()
+    totals = strategy.all_sum(torch.cat([loss_sum.view(1), confusion.flatten(), probs])).tolist()  # the one read
     model.train(was_training)
+    cells = num_classes * num_classes
     matrix = [[int(c) for c in totals[1 + k * num_classes : 1 + (k + 1) * num_classes]] for k in range(num_classes)]
     n = sum(map(sum, matrix))
-    return {
+    result = {
         "loss": totals[0] / max(n, 1),
         "accuracy": sum(matrix[k][k] for k in range(num_classes)) / max(n, 1),
+        "macro_f1": macro_f1(matrix),
         "confusion": matrix,
         "count": n,
     }
+    if scores:
+        result["roc_auc"] = roc_auc(totals[1 + cells :], [int(split.labels[i] == num_classes - 1) for i in order])
+    return result
+
+
+def score_order(split: TokenizedSplit, rows: int, rank: int, world_size: int) -> tuple[list[int], int]:
+    """Every row of `split` in the order the processes' probabilities are laid out (rank 0's rows in its batch
+    order, then rank 1's, ...), and where this process's stretch begins."""
+    lengths = [len(x) for x in split.ids]
+    parts = [[i for b in length_sorted_batches(lengths, rows, r, world_size) for i in b] for r in range(world_size)]
+    return [i for part in parts for i in part], sum(len(part) for part in parts[:rank])
 
 
 def count_pairs(true: torch.Tensor, predicted: torch.Tensor, num_classes: int) -> torch.Tensor:
@@ -72,14 +101,75 @@ def count_pairs(true: torch.Tensor, predicted: torch.Tensor, num_classes: int) -
 
 def per_class(confusion: list[list[int]], label_names: list[str]) -> dict[str, dict]:
     """Precision, recall and F1 of each class from a [true, predicted] confusion matrix."""
-    c = torch.tensor(confusion, dtype=torch.float64)
-    out = {}
+    out = {}  # plain Python on the host's counts: no tensor, so nothing that a GPU check would count as a read
     for k, name in enumerate(label_names):
-        tp, predicted, actual = c[k, k].item(), c[:, k].sum().item(), c[k].sum().item()
+        tp, predicted, actual = confusion[k][k], sum(row[k] for row in confusion), sum(confusion[k])
         p = tp / predicted if predicted else 0.0
         r = tp / actual if actual else 0.0
         out[name] = {"precision": p, "recall": r, "f1": 2 * p * r / (p + r) if p + r else 0.0, "support": int(actual)}
     return out
+
+
+def macro_f1(confusion: list[list[int]]) -> float:
+    """The mean of the per-class F1 scores, over the classes that occur as a true or a predicted label (as
+    scikit-learn's `f1_score(average="macro")` counts them): a rare class weighs as much as a common one, so a
+    model that ignores it scores low even where its accuracy is high."""
+    names = [str(k) for k in range(len(confusion))]
+    present = [k for k in range(len(confusion)) if sum(confusion[k]) or sum(row[k] for row in confusion)]
+    scores = per_class(confusion, names)
+    return sum(scores[names[k]]["f1"] for k in present) / max(len(present), 1)
+
+
+def roc_auc(scores: list[float], positive: list[int]) -> float | None:
+    """The area under the ROC curve: the chance that a positive row scores above a negative one, ties counted
+    half (the Mann-Whitney rank statistic, with tied scores given their mean rank). None without both classes."""
+    pairs = sorted(zip(scores, positive, strict=True))
+    n_pos = sum(positive)
+    n_neg = len(pairs) - n_pos
+    if not n_pos or not n_neg:
+        return None
+    rank_sum, i = 0.0, 0
+    while i < len(pairs):
+        j = i
+        while j < len(pairs) and pairs[j][0] == pairs[i][0]:
+            j += 1
+        rank_sum += (i + 1 + j) / 2 * sum(p for _, p in pairs[i:j])  # ranks i+1 .. j share their mean
+        i = j
+    return (rank_sum - n_pos * (n_pos + 1) / 2) / (n_pos * n_neg)
+
+
+def selection_key(row: dict, select_by: str) -> tuple[float, float]:
+    """What makes one evaluation better than another under `select_by` (greater is better): the measure itself,
+    then on ties (common on a small validation split) the other of accuracy and loss."""
+    if select_by == "loss":
+        return -row["val_loss"], row["val_accuracy"]
+    if select_by not in SELECT_BY:
+        raise ValueError(f"--select-by must be one of {', '.join(SELECT_BY)}, got {select_by!r}")
+    return row[f"val_{select_by}"], -row["val_loss"]
+
+
+def kept_row(history: list[dict], best_step: int, select_by: str) -> str:
+    """Which evaluation's weights the run keeps, and why: the final figures are theirs, not the last row's (whose
+    training figures were also counted on the batches as they trained, not in a pass of their own)."""
+    best = next((r for r in history if r["step"] == best_step), None)
+    if best is None:
+        return "no epoch was evaluated: keeping the weights as they are"
+    if select_by == "loss":
+        why = f"the lowest validation loss, {best['val_loss']:.4f}, at validation accuracy {best['val_accuracy']:.2%}"
+    else:
+        value = f"{best['val_accuracy']:.2%}" if select_by == "accuracy" else f"{best['val_macro_f1']:.4f}"
+        shown = "accuracy" if select_by == "accuracy" else "macro-F1"
+        why = f"the best validation {shown}, {value}, at validation loss {best['val_loss']:.4f}"
+    unit = "step" if per_step(history) else "epoch"
+    last = history[-1]
+    if best is last:
+        return f"keeping the last {unit}'s weights ({unit} {last[unit]}: {why})"
+    return f"keeping {unit} {best[unit]}'s weights, not {unit} {last[unit]}'s ({why}); the figures below are for them"
+
+
+def per_step(history: list[dict]) -> bool:
+    """Whether the history has rows inside epochs (--eval-every), not one row an epoch."""
+    return len({r["epoch"] for r in history}) < len(history)
 
 
 def warn_if_one_class(val_accuracy: float, val_labels: list[int], log) -> None:

@@ -1,4 +1,5 @@
-"""The training loop: AdamW on the trainable parameters, warm-up then decay, evaluation each epoch, and
+"""The training loop: AdamW on the trainable parameters, warm-up then decay, evaluation each epoch (and every
+`eval_every` steps), the best weights by the measure asked (`select_by`), and
 checkpoints that let an interrupted run continue to exactly the weights an uninterrupted run would reach.
 
 One optimizer step = `grad_accum` micro-batches of `batch_size` rows on each of `world_size` processes.
@@ -23,7 +24,7 @@ from ..checkpoints import resume
 from ..data.batching import TokenizedSplit, forward, to_batch
 from ..model.packing import to_device
 from ..parallel.strategy import Processes, Replicated, Strategy, optimizer_kernels, unwrap
-from .evaluation import evaluate
+from .evaluation import evaluate, selection_key
 from .interrupts import interrupts_deferred, stops_noted
 from .optim import MasterWeightAdamW
 
@@ -50,8 +51,15 @@ class TrainSettings:
     # "float32": float32 masters + moments for bf16 parameters (12 B a trained parameter; optim.py), else bf16 rounds
     # most updates away; "param": moments in the parameters' dtype (4 B in bf16, lossy). Same on float32 weights.
     optimizer_state: str = "float32"
-    patience: int | None = None  # stop after this many epochs without a better validation result (None: never)
+    eval_every: int | None = None  # optimizer steps between validation evaluations, besides each epoch's end
+    select_by: str = "accuracy"  # accuracy | macro_f1 | loss: the validation measure the kept weights are best at
+    # Stop after this many evaluations without a better result (one an epoch without eval_every; None: never).
+    patience: int | None = None
     class_weights: list[float] | None = None  # per-class loss weights (see balanced_weights); None: all equal
+
+    def __post_init__(self) -> None:
+        if self.eval_every is not None and self.eval_every < 1:
+            raise ValueError(f"--eval-every must be a number of optimizer steps, at least 1; got {self.eval_every}")
 
     @property
     def eval_rows(self) -> int:
@@ -66,15 +74,18 @@ class TrainState:
     epoch: int = 0  # the epoch in progress
     batches_done: int = 0  # micro-batches of that epoch already consumed (always a whole optimizer step)
     step: int = 0  # optimizer steps taken in total
-    best_val_accuracy: float = -1.0
+    best_val_accuracy: float = -1.0  # the kept evaluation's figures (what a later one must beat: selection_key)
     best_val_loss: float = math.inf
+    best_val_macro_f1: float = -1.0
     best_epoch: int = -1
+    best_step: int = -1  # the step of the evaluation whose weights are kept (its history row)
     history: list[dict] = field(default_factory=list)
-    # The epoch so far over all processes (loss x rows, correct, rows): here so a resumed epoch reports all of it.
-    epoch_sums: list[float] = field(default_factory=lambda: [0.0, 0.0, 0.0])
+    # Since the last history row (the epoch's start without eval_every), over all processes: (loss x rows,
+    # correct, rows); here so a resumed stretch reports all of it.
+    row_sums: list[float] = field(default_factory=lambda: [0.0, 0.0, 0.0])
     train_seconds: float = 0.0
     train_tokens: int = 0
-    evaluated_step: int = -1  # the step at which an epoch's end (validation, history, best) was last recorded
+    evaluated_step: int = -1  # the step at which an evaluation (validation, history, best) was last recorded
 
 
 class TrainingDiverged(RuntimeError):
@@ -196,6 +207,7 @@ def check_same_run(path: Path, record: dict, settings: TrainSettings, identity: 
     now = {**asdict(settings), **identity}
     for changeable in ("save_every",):  # how often to save may change between the two halves of a run
         saved.pop(changeable, None), now.pop(changeable, None)
+    saved.setdefault("select_by", "accuracy")  # a point from before --select-by selected by accuracy
     if partial:
         saved = {k: v for k, v in saved.items() if k in now}
     resume.check_same_run(path, saved, now)
@@ -291,38 +303,42 @@ def check_finite(totals: list[float], state: TrainState, resume_path: Path, worl
         )
 
 
-def finish_epoch(state: TrainState, val: dict, complete: bool, on_best, log) -> None:
-    """Record the epoch in the history, keep the best weights, and move the counters on.
+def finish_epoch(state: TrainState, val: dict, complete: bool, on_best, log, select_by: str = "accuracy") -> dict:
+    """Record an evaluation (an epoch's end, or every `eval_every` steps inside one) in the history, keep the best
+    weights by `select_by`, and, at an epoch's end (`complete`), move the epoch counters on. Returns the row.
 
-    Called with interrupts held (see `train`): the history row, the best-epoch figures, the best weights on disk
-    and the epoch counter change together or not at all, so a Ctrl-C here never leaves a duplicated row or a
-    best epoch whose weights were not saved.
+    Called with interrupts held (see `train`): the history row, the best figures, the best weights on disk and
+    the counters change together or not at all, so a Ctrl-C here never leaves a duplicated row or a best
+    evaluation whose weights were not saved.
     """
-    loss_sum, correct, rows_seen = state.epoch_sums
+    loss_sum, correct, rows_seen = state.row_sums
     row = {
         "epoch": state.epoch + 1,
         "step": state.step,
-        # Running figures from the batches as they were trained (a full pass would cost as much as the epoch).
+        # Running figures from the batches trained since the last row (a full pass would cost as much as an epoch).
         "train_loss": loss_sum / max(rows_seen, 1),
         "train_accuracy": correct / max(rows_seen, 1),
         "val_loss": val["loss"],
         "val_accuracy": val["accuracy"],
+        "val_macro_f1": val["macro_f1"],
     }
     state.history.append(row)
-    state.evaluated_step = state.step
+    state.evaluated_step, state.row_sums = state.step, [0.0, 0.0, 0.0]
     log(
         f"epoch {row['epoch']}: step {row['step']}, train loss {row['train_loss']:.4f} acc "
-        f"{row['train_accuracy']:.2%}, val loss {row['val_loss']:.4f} acc {row['val_accuracy']:.2%}"
+        f"{row['train_accuracy']:.2%}, val loss {row['val_loss']:.4f} acc {row['val_accuracy']:.2%} "
+        f"macro-F1 {row['val_macro_f1']:.4f}"
     )
-    # Best = highest validation accuracy; on a small validation split ties are common, and then the lower
-    # validation loss (the more confident model) wins.
-    if (row["val_accuracy"], -row["val_loss"]) > (state.best_val_accuracy, -state.best_val_loss):
+    # Before any best, the figures are -1 and infinity: any evaluation beats them, whatever the measure.
+    best = {"val_accuracy": state.best_val_accuracy, "val_loss": state.best_val_loss}
+    if selection_key(row, select_by) > selection_key(best | {"val_macro_f1": state.best_val_macro_f1}, select_by):
         state.best_val_accuracy, state.best_val_loss = row["val_accuracy"], row["val_loss"]
-        state.best_epoch = row["epoch"]
+        state.best_val_macro_f1, state.best_epoch, state.best_step = row["val_macro_f1"], row["epoch"], row["step"]
         if on_best is not None:  # on every process: a sharded model is gathered to save it
             on_best(row["epoch"])
     if complete:
-        state.epoch, state.batches_done, state.epoch_sums = state.epoch + 1, 0, [0.0, 0.0, 0.0]
+        state.epoch, state.batches_done = state.epoch + 1, 0
+    return row
 
 
 @dataclass
@@ -338,6 +354,21 @@ class Loop:
     resume_path: Path
     identity: dict
     asked: Callable[[], bool] = lambda: False  # whether this process was asked to stop (interrupts.stops_noted)
+    val: TokenizedSplit | None = None  # what each evaluation runs on
+    on_best: Callable[[int], None] | None = None  # the best weights so far: saved (every process calls it)
+    log: Callable[..., None] = print
+    on_row: Callable[[dict], None] | None = None  # each history row once recorded (--tensorboard)
+
+    def record(self, state: TrainState, complete: bool) -> None:
+        """Evaluate on `val`, then record the row, keep the best weights and save a resume point, all or nothing
+        (interrupts held). Asked to stop during the evaluation: stopped here, not a step later."""
+        val = evaluate(self.model, self.val, self.s, self.strategy, "evaluating val")
+        with interrupts_deferred():
+            row = finish_epoch(state, val, complete, self.on_best, self.log, self.s.select_by)
+            self.save_point(state)
+            if self.on_row is not None:  # with the row: a Ctrl-C between them would leave it out
+                self.on_row(row)
+        self.stop_if_asked(saved=True)
 
     def save_point(self, state: TrainState) -> None:
         """Called by every process: sharded, each writes its rows; replicated, rank 0 writes."""
@@ -374,6 +405,10 @@ def train_epoch(loop: Loop, split: TokenizedSplit, state: TrainState) -> bool:
     # Resumed after the run's last step but before that epoch's end was recorded: nothing left to step.
     todo = range(state.batches_done, len(batches), s.grad_accum) if state.step < loop.total else range(0)
     weight = class_weight(s, strategy.device)  # once an epoch, not once a step
+    if eval_due(state, s, len(batches), loop.total):  # resumed from a stop during that evaluation: done again
+        loop.record(state, complete=False)
+        if patience_spent(state, s):
+            return False
     for k in todo:
         sums, tokens = train_step(loop.model, split, batches[k : k + s.grad_accum], s, strategy, weight)
         params = [p for p in loop.model.parameters() if p.requires_grad]
@@ -388,14 +423,18 @@ def train_epoch(loop: Loop, split: TokenizedSplit, state: TrainState) -> bool:
             strategy.zero_grad(loop.optimizer)
             state.step += 1
             state.batches_done = k + s.grad_accum
-            state.epoch_sums = [a + b for a, b in zip(state.epoch_sums, totals[:3], strict=True)]
+            state.row_sums = [a + b for a, b in zip(state.row_sums, totals[:3], strict=True)]
             state.train_tokens += tokens  # counted with the step: a resumed run's tokens/s covers each step once
             now = time.perf_counter()
             state.train_seconds, started = state.train_seconds + now - started, now
         bar.update(1)
         bar.set_postfix(loss=f"{totals[0] / max(totals[2], 1):.4f}", lr=f"{loop.scheduler.get_last_lr()[0]:.2e}")
         loop.stop_if_asked()  # before the periodic save: a stop saves this step itself (train)
-        if state.step % s.save_every == 0:
+        if eval_due(state, s, len(batches), loop.total):  # it saves a resume point too
+            loop.record(state, complete=False)
+            if patience_spent(state, s):
+                break
+        elif state.step % s.save_every == 0:
             loop.save_point(state)
         if state.step >= loop.total:
             break
@@ -403,8 +442,20 @@ def train_epoch(loop: Loop, split: TokenizedSplit, state: TrainState) -> bool:
     return state.batches_done >= len(batches)
 
 
+def eval_due(state: TrainState, s: TrainSettings, n_batches: int, total: int) -> bool:
+    """An evaluation inside the epoch now: every `eval_every` steps, not yet recorded, unless the epoch's end or
+    the run's last step is where the epoch stands (`train` evaluates there anyway: one row a step)."""
+    inside = 0 < state.batches_done < n_batches and state.step < total
+    return bool(s.eval_every) and inside and state.step % s.eval_every == 0 and state.evaluated_step != state.step
+
+
 def patience_spent(state: TrainState, s: TrainSettings) -> bool:
-    return bool(s.patience) and state.best_epoch >= 0 and state.epoch - state.best_epoch >= s.patience
+    """Whether the last `patience` evaluations (each epoch's end, and every `eval_every` steps) all failed to
+    beat the kept one."""
+    since = sum(r["step"] > state.best_step for r in state.history)
+    if state.best_step < 0:  # a resume point from before best_step: one evaluation an epoch then
+        since = state.epoch - state.best_epoch
+    return bool(s.patience) and state.best_epoch >= 0 and since >= s.patience
 
 
 def more_to_do(state: TrainState, s: TrainSettings, total: int) -> bool:
@@ -425,12 +476,14 @@ def train(
     on_best=None,
     log=print,
     run_identity: dict | None = None,
+    on_row=None,
 ) -> TrainState:
     """Train `model` (`strategy.wrap`'s: a classifier, maybe wrapped in DDP or sharded) on splits['train'],
-    evaluating on 'val' after each epoch. `strategy` says how the processes share the work (`Replicated()`: one
-    process on the CPU). `on_best(epoch)` is called on every process when validation accuracy improves (rank 0
-    saves). `run_identity` (model, data, ...) is stored with each resume point with the number of processes;
-    resuming under another refuses.
+    evaluating on 'val' after each epoch and every `s.eval_every` steps. `strategy` says how the processes share
+    the work (`Replicated()`: one process on the CPU). `on_best(epoch)` is called on every process when the
+    validation measure `s.select_by` improves (rank 0 saves); `on_row(row)` with each history row as recorded.
+    `run_identity` (model, data, ...) is stored with each resume point with the number of processes; resuming
+    under another refuses.
     """
     steps_per_epoch = check_enough_data(len(splits["train"].ids), s, strategy.processes)
     total = steps_per_epoch * s.epochs if s.max_steps is None else min(s.max_steps, steps_per_epoch * s.epochs)
@@ -439,6 +492,7 @@ def train(
     identity = {"world_size": strategy.processes.world_size, **(run_identity or {})}
     where = strategy.resume_location(out_dir / RESUME_FILE, out_dir / RESUME_DIR, resuming=False)
     loop = Loop(model, optimizer, scheduler, s, strategy, total, where, identity)
+    loop.val, loop.on_best, loop.log, loop.on_row = splits["val"], on_best, log, on_row
     state = TrainState()
     # Alike on every process, which need not share rank 0's disk (rank 0 reads and sends, or all agree).
     found = strategy.read_resume(out_dir / RESUME_FILE, out_dir / RESUME_DIR) if resume else None
@@ -453,16 +507,14 @@ def train(
         try:
             while more_to_do(state, s, total):
                 complete = train_epoch(loop, splits["train"], state)
-                val = evaluate(model, splits["val"], s, strategy, "evaluating val")
-                with interrupts_deferred():  # the epoch's record, best weights and resume point: all or nothing
-                    finish_epoch(state, val, complete, on_best, log)
-                    loop.save_point(state)
-                loop.stop_if_asked(saved=True)  # asked during the evaluation: stopped here, not a step later
+                if not patience_spent(state, s):  # (spent by an evaluation inside the epoch: stopped there)
+                    loop.record(state, complete)  # the epoch's end: its row, best weights and resume point
+                if patience_spent(state, s):
+                    unit = "evaluation" if s.eval_every else "epoch"
+                    log(f"stopping early: no better validation result in the last {s.patience} {unit}(s) (--patience)")
+                    break
                 if not complete:
                     break  # max_steps reached inside the epoch
-                if patience_spent(state, s):
-                    log(f"stopping early: no better validation result in the last {s.patience} epoch(s) (--patience)")
-                    break
         except KeyboardInterrupt as interrupt:
             # Gradients of an unfinished step are discarded: the saved point is the last whole step.
             if loop.saved_on_interrupt(state, interrupt):

@@ -27,6 +27,7 @@ from pathlib import Path
 from ..checkpoints.atomic import write_atomic, write_text_atomic
 from ..checkpoints.run_record import RECORD_FILE, RUN_MARKER, WEIGHTS_FILE, RunRecord, write_record
 from ..parallel.strategy import Strategy, is_resume_dir
+from .evaluation import per_step
 from .loop import RESUME_DIR, RESUME_FILE
 
 RUNS_DIR = Path("runs")  # where runs go when --output is not given
@@ -202,23 +203,32 @@ def _pyplot():
     return plt
 
 
-def plot_history(rows: list[dict], path: Path, best_epoch: int | None = None) -> None:
-    """history.png: loss and accuracy per epoch, training and validation, with the epoch whose weights the run kept
-    marked (the final figures are that epoch's, not necessarily the last one's)."""
+def plot_history(rows: list[dict], path: Path, best_step: int | None = None) -> None:
+    """history.png: loss and accuracy at each evaluation, training (the mean since the row before) and validation,
+    with the evaluation whose weights the run kept marked (the final figures are its, not necessarily the last
+    row's). By epoch, or by optimizer step when there are rows inside epochs (--eval-every)."""
     plt = _pyplot()
-    epochs = [r["epoch"] for r in rows]
+    unit = "step" if per_step(rows) else "epoch"
+    xs = [r[unit] for r in rows]
+    kept = next((r[unit] for r in rows if r["step"] == best_step), None)
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(9, 3.5))
     for split in ("train", "val"):
-        ax1.plot(epochs, [r[f"{split}_loss"] for r in rows], marker="o", label=split)
-        ax2.plot(epochs, [r[f"{split}_accuracy"] for r in rows], marker="o", label=split)
+        ax1.plot(xs, [r[f"{split}_loss"] for r in rows], marker="o", label=split)
+        ax2.plot(xs, [r[f"{split}_accuracy"] for r in rows], marker="o", label=split)
+    if unit == "step":  # the measure --select-by may choose, beside accuracy
+        ax2.plot(xs, [r["val_macro_f1"] for r in rows], marker=".", linestyle=":", label="val macro-F1")
     for ax, what in ((ax1, "loss"), (ax2, "accuracy")):
-        ax.set(xlabel="epoch", ylabel=what, title=what)
-        # Whole epochs only, half an epoch of margin: one epoch alone would otherwise get an axis from 0.96 to 1.04.
-        ax.set_xticks(epochs)
-        ax.set_xlim(min(epochs, default=1) - 0.5, max(epochs, default=1) + 0.5)
-        if best_epoch in epochs:
-            ax.axvline(best_epoch, color="grey", linestyle="--", linewidth=1, label=f"kept (epoch {best_epoch})")
+        ax.set(xlabel=unit, ylabel=what, title=what)
+        if unit == "epoch":
+            # Whole epochs only, half an epoch of margin: one epoch alone would otherwise get an axis from 0.96 to
+            # 1.04.
+            ax.set_xticks(xs)
+            ax.set_xlim(min(xs, default=1) - 0.5, max(xs, default=1) + 0.5)
+        if kept is not None:
+            ax.axvline(kept, color="grey", linestyle="--", linewidth=1, label=f"kept ({unit} {kept})")
     ax1.legend()
+    if unit == "step":
+        ax2.legend()
     fig.tight_layout()
     write_atomic(path, lambda tmp: fig.savefig(tmp, format="png", dpi=100))
     plt.close(fig)
@@ -250,7 +260,7 @@ def write_results(out: Path, run_id: str, metrics: dict, record: RunRecord, hist
     files go."""
     metrics["run_id"] = run_id
     write_text_atomic(out / "history.csv", history_csv(history))
-    plot_history(history, out / "history.png", metrics.get("best_epoch"))
+    plot_history(history, out / "history.png", metrics.get("best_step"))
     plot_confusion(metrics["test_confusion"], metrics["label_names"], out / "confusion.png")
     write_text_atomic(out / "metrics.json", json.dumps(metrics, indent=2) + "\n")
     write_record(out, dataclasses.replace(record, run_id=run_id))
