@@ -19,9 +19,16 @@ import torch
 
 from .checkpoints.run_record import WEIGHTS_FILE, RunRecord, new_record
 from .data.batching import TokenizedSplit, default_max_length, encode_texts
-from .data.labelled import DataWarning, LabelledTexts, load_dataset
-from .data.splitting import default_protocol, split_dataset
-from .finetune_args import parse_args, quantize_setting, recorded_flags, resumed_flags
+from .data.labelled import DataWarning, LabelledTexts
+from .finetune_args import (
+    held_out_identity,
+    parse_args,
+    quantize_setting,
+    read_data,
+    recorded_flags,
+    resumed_flags,
+    split_files,
+)
 from .model.classifier import LlamaClassifier
 from .model.config import LlamaConfig
 from .model.counts import count_parameters
@@ -123,20 +130,9 @@ class Job:
     started: float
     data: LabelledTexts
     parts: dict[str, LabelledTexts]
-    protocol: str
+    protocol: str | None  # None: --val-data and --test-data given, nothing cut from --data
     choice: ModelChoice
     out: Path
-
-
-def read_data(args: argparse.Namespace, log) -> tuple[LabelledTexts, dict[str, LabelledTexts], str]:
-    """The labelled texts and their train/val/test split."""
-    columns = {"text_column": args.text_column, "label_column": args.label_column, "header": args.header}
-    data = load_dataset(args.data, **columns, split=args.data_split)
-    log(data.describe())
-    protocol = args.split or default_protocol(args.data)
-    parts = split_dataset(data, protocol=protocol, seed=args.seed)
-    log(f"split '{protocol}': " + ", ".join(f"{k} {len(v):,}" for k, v in parts.items()))
-    return data, parts, protocol
 
 
 def refuse_float16(dtype: torch.dtype, what: str) -> torch.dtype:
@@ -391,6 +387,7 @@ def classifier_meta(
         lora=choice.lora,
         lora_blocks=clf.lora_blocks,
         quantize=choice.quantize,
+        data=split_files(job.args, job.data, job.parts),
         tokenizer=tokenizer_ref,
         max_length=max_length,
         dtype=choice.dtype,
@@ -411,6 +408,7 @@ def run_identity(job: Job, max_length: int) -> dict:
         "label_names": data.label_names,
         "num_classes": data.num_classes,
         "split": job.protocol,
+        **held_out_identity(args, job.parts),  # None where cut from --data, as in points from before these flags
         "max_length": max_length,
         "dtype": str(choice.dtype),
         "train_last": "all" if choice.train_last is None else choice.train_last,
@@ -448,6 +446,7 @@ def final_metrics(
         "data": job.args.data,
         "split": job.protocol,
         "split_sizes": {k: len(v) for k, v in job.parts.items()},
+        "split_files": split_files(job.args, job.data, job.parts),
         "num_classes": data.num_classes,
         "label_names": data.label_names,
         **{f"{k}_accuracy": r["accuracy"] for k, r in results.items()},
