@@ -81,6 +81,11 @@ def test_what_is_missing_is_cut_from_data_and_bad_files_are_one_line(files, tmp_
     assert finetune_classifier.main([*argv, "--val-data", str(val), "--output", str(tmp_path / "v")]) == 0
     assert f"split 'full': train 50, val 16 ({val}), test 14" in capsys.readouterr().out  # test: 64 - 44 - 6
 
+    # A validation file of one class is no wrong label column (as --data of one class would be): it is read.
+    hams = write_table(tmp_path / "hams.csv", [(f"see you at {h} o'clock", "ham") for h in range(1, 9)])
+    assert finetune_classifier.main([*argv, "--val-data", str(hams), "--output", str(tmp_path / "h")]) == 0
+    assert f"{hams}: 8 rows; ham 8, spam 0; 0 bad rows skipped" in capsys.readouterr().out
+
     eggs = write_table(tmp_path / "eggs.csv", [("hello there", "ham"), ("fresh eggs for sale", "eggs")])
     for extra, said in (
         (

@@ -118,11 +118,11 @@ def split_dataset(
 def read_held_out(flag: str, path: str, train: LabelledTexts, columns: dict) -> LabelledTexts:
     """`--val-data` or `--test-data` (`flag`): a file read as `--data` was (`load_dataset`, the same `columns`
     flags), its labels renumbered as the training data's classes. A label the training data lacks is refused by
-    name: the classifier has no output for it."""
+    name: the classifier has no output for it. Classes it lacks are fine (a small validation file may hold one)."""
     if not Path(path).is_file() and path not in BUNDLED:
         what = "a directory, not a file" if Path(path).is_dir() else "no such file"
         raise DataError(f"{flag} {path}: {what}")
-    held = load_dataset(path, **columns)
+    held = load_dataset(path, **columns, held_out=True)  # one class, or few rows of each, is no wrong column
     index = {name: k for k, name in enumerate(train.label_names)}
     for k, name in enumerate(held.label_names):
         if name not in index:
