@@ -317,3 +317,26 @@ def test_the_input_is_never_overwritten_and_a_scored_file_is_not_scored_twice(ru
     classify_ok(capsys, run, "--file", data, "--output", scored)
     err = classify_fails(capsys, run, "--file", scored, "--output", tmp_path / "again.csv")
     assert "already" in err and "'predicted'" in err and not (tmp_path / "again.csv").exists()
+
+
+def test_a_headerless_table_and_command_line_texts_are_scored_in_the_table_s_columns(tmp_path):
+    """No model needed: what data/scored.py writes for a table without a header (columns named by number) and a
+    command-line text beside it (its text in the text column, the other cells empty)."""
+    from llama_scratch.data.inputs import read_inputs
+    from llama_scratch.data.scored import scored_text
+
+    data = tmp_path / "bare.csv"
+    data.write_text("7,hello there,x\n8,win a prize now,y\n")
+    inputs = read_inputs(["typed"], str(data), "1", None, False, ["ham", "spam"], header=False)
+    assert inputs.texts == ["typed", "hello there", "win a prize now"]
+    probs = [[0.25, 0.75], [0.5, 0.5], [0.875, 0.125]]
+    text = scored_text(tmp_path / "out.csv", inputs, probs, [1, 0, 0], ["ham", "spam"])
+    assert text.splitlines() == [
+        "column_0,column_1,column_2,predicted,probability,p_ham,p_spam",
+        ",typed,,spam,0.750000,0.250000,0.750000",
+        "7,hello there,x,ham,0.500000,0.500000,0.500000",
+        "8,win a prize now,y,ham,0.875000,0.875000,0.125000",
+    ]
+    as_json = scored_text(tmp_path / "out.jsonl", inputs, probs, [1, 0, 0], ["ham", "spam"]).splitlines()
+    cells = {"column_0": "7", "column_1": "hello there", "column_2": "x"}
+    assert json.loads(as_json[1]) == {**cells, "predicted": "ham", "probability": 0.5, "p_ham": 0.5, "p_spam": 0.5}
