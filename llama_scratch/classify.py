@@ -3,14 +3,13 @@
 The base model is streamed onto the device first (the same low-memory path as training), then the trained
 parameters from `classifier.safetensors` are put in place. Texts come from the command line, a file with one
 per line, or a CSV/TSV/JSONL table; with `--labels`, the table's label column is compared with the predictions
-(accuracy, per-class precision/recall/F1, confusion matrix); `--output` writes every class's probability to a CSV.
+(accuracy, per-class precision/recall/F1, confusion matrix); `--output` writes every class's probability beside
+the input's own columns (`data/scored.py`).
 """
 
 from __future__ import annotations
 
 import argparse
-import csv
-import io
 import sys
 from pathlib import Path
 
@@ -20,8 +19,9 @@ from .checkpoints.atomic import write_text_atomic
 from .checkpoints.run_record import WEIGHTS_FILE, read_run
 from .checkpoints.weights import CheckpointError, copy_named_file
 from .data.batching import TokenizedSplit, forward, length_sorted_batches, to_batch
-from .data.inputs import Inputs, read_inputs
+from .data.inputs import read_inputs
 from .data.labelled import DataError
+from .data.scored import output_fields, scored_text
 from .model.classifier import LlamaClassifier, full_precision_blocks
 from .model.config import parse_dtype
 from .model.counts import count_parameters
@@ -133,18 +133,6 @@ def echo(text: str, width: int = ECHO_CHARS) -> str:
     return flat if len(flat) <= width else flat[: width - 1].rstrip() + "…"
 
 
-def scored_csv(inputs: Inputs, probs: torch.Tensor, label_names: list[str]) -> str:
-    """Per text: the text, the predicted class and its probability, every class's probability, the file's label."""
-    out = io.StringIO()
-    writer = csv.writer(out, lineterminator="\n")  # "\n": write_text turns it into the platform's line end
-    header = ["text", "predicted", "probability", *(f"p_{name}" for name in label_names)]
-    writer.writerow(header + ["label"] if inputs.labels is not None else header)
-    for i, (text, (k, p)) in enumerate(zip(inputs.texts, best(probs), strict=True)):
-        row = [text, label_names[k], f"{p:.6f}", *(f"{q:.6f}" for q in probs[i].tolist())]
-        writer.writerow(row + [inputs.labels[i]] if inputs.labels is not None else row)
-    return out.getvalue()
-
-
 def evaluation_report(truth: list[str], predicted: list[str], label_names: list[str]) -> str:
     """Accuracy, per-class precision/recall/F1/support (train.per_class) and the confusion matrix, as text."""
     index = {name: k for k, name in enumerate(label_names)}
@@ -211,9 +199,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument(
         "--output",
         type=Path,
-        metavar="FILE.csv",
-        help="write a CSV (text, predicted, probability, p_<class> for each class, and label with --labels) instead "
-        f"of printing a line per text (label, probability, the text's first {ECHO_CHARS} characters)",
+        metavar="FILE",
+        help="write the scores instead of printing a line per text (label, probability, the text's first "
+        f"{ECHO_CHARS} characters): a table's or JSONL file's own columns, then predicted, probability and "
+        "p_<class> for each class (text, the scores and label with --labels for texts without columns); "
+        "JSON Lines for .jsonl, TSV for .tsv, else CSV",
     )
     p.add_argument("--overwrite", action="store_true", help="replace an existing --output file")
     p.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N")
@@ -247,6 +237,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def run(args: argparse.Namespace) -> None:
     """Check everything cheap first (output, device, run, input file), then load the model and classify."""
+    reading = Path(args.file) if args.file and args.file != "-" else None
+    if args.output and reading and reading.exists() and args.output.exists() and args.output.samefile(reading):
+        raise DataError(f"--output {args.output} is the --file being classified; write the scores to another file")
     if args.output and args.output.exists() and (args.output.is_dir() or not args.overwrite):
         why = "is a directory" if args.output.is_dir() else "exists; pass --overwrite to replace it"
         raise DataError(f"--output {args.output} {why}")
@@ -263,6 +256,8 @@ def run(args: argparse.Namespace) -> None:
         print(f"note: left out {len(inputs.skipped):,} input(s): {shown}{more}", file=sys.stderr)
     if not inputs.texts:
         raise DataError(f"{args.file or 'the arguments'}: no text to classify")
+    if args.output:
+        output_fields(inputs, names)  # a clash of column names is refused before the model loads
     clf, tokenizer, _ = load_classifier(args.checkpoint, device, args.dtype, args.model, args.quantize)
     max_length = args.max_length or clf.backbone.cfg.max_seq_len
     if cut := sum(len(tokenizer.encode(t, bos=True)) > max_length for t in inputs.texts):
@@ -272,7 +267,8 @@ def run(args: argparse.Namespace) -> None:
     picks = best(probs)
     if args.output:
         try:
-            write_text_atomic(args.output, scored_csv(inputs, probs, names))
+            text = scored_text(args.output, inputs, probs.tolist(), [k for k, _ in picks], names)
+            write_text_atomic(args.output, text)
         except OSError as e:
             raise DataError(f"cannot write --output {args.output}: {e.strerror or e}") from None
         print(f"wrote {len(inputs.texts):,} rows to {args.output}", file=sys.stderr)

@@ -1,11 +1,16 @@
 """The command line of `python -m llama_scratch.finetune_classifier`: its flags in groups, each default taken from
-`train.TrainSettings` (the one place the recipe's defaults live) and named once in its help."""
+`train.TrainSettings` (the one place the recipe's defaults live) and named once in its help; and what the data
+flags read (`read_data`: --data, cut into splits or joined by --val-data and --test-data)."""
 
 from __future__ import annotations
 
 import argparse
 from pathlib import Path
 
+import torch
+
+from .data.labelled import DataError, LabelledTexts, load_dataset
+from .data.splitting import default_protocol, split_with_files
 from .model.lora import TARGETS, LoRASettings
 from .training.evaluation import SELECT_BY
 from .training.loop import TrainSettings
@@ -43,7 +48,19 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help="the first row is data, not column names (default: told from the contents)",
     )
-    g.add_argument("--split", help="book | dedup | stratified | full (default: book for sms_spam, else stratified)")
+    g.add_argument(
+        "--split",
+        help="book | dedup | stratified | full: how --data is cut (default: book for sms_spam, else stratified; "
+        "with --val-data and --test-data, nothing is cut)",
+    )
+    for name, what in (("val", "validation"), ("test", "test")):
+        g.add_argument(
+            f"--{name}-data",
+            metavar="FILE",
+            help=f"a {what} file of its own, read as --data is (format, columns); its labels must be among "
+            f"--data's, and --data's rows that --split would have made {what} train instead (default: cut from "
+            "--data by --split)",
+        )
     g.add_argument(
         "--max-length",
         type=int,
@@ -353,3 +370,61 @@ def quantize_setting(
     if args.shard:
         raise ValueError("--quantize with --shard is not supported: quantize, or shard, one of the two")
     return args.quantize
+
+
+def held_out_files(args: argparse.Namespace) -> dict[str, str]:
+    """The splits given as files of their own ("val", "test"), by --val-data and --test-data."""
+    return {name: path for name in ("val", "test") if (path := getattr(args, f"{name}_data", None))}
+
+
+def split_protocol(args: argparse.Namespace) -> str | None:
+    """How --data is cut: --split, else the default for it; None with both --val-data and --test-data, when
+    --data is all training (a --split then would cut nothing, so it is refused rather than ignored)."""
+    if len(held_out_files(args)) == 2:
+        if args.split:
+            raise DataError("--split cuts --data, but with --val-data and --test-data every row of --data trains")
+        return None
+    return args.split or default_protocol(args.data)
+
+
+def held_out_identity(args: argparse.Namespace, parts: dict[str, LabelledTexts]) -> dict:
+    """What a resume point records of --val-data and --test-data: the file and a digest of what was read from it,
+    so a resume with another file, or the same file edited, is refused (None: the split was cut from --data)."""
+    files = held_out_files(args)
+    return {
+        **{f"{k}_data": files.get(k) for k in ("val", "test")},
+        **{f"{k}_digest": parts[k].fingerprint() if k in files else None for k in ("val", "test")},
+    }
+
+
+def split_files(args: argparse.Namespace, data: LabelledTexts, parts: dict[str, LabelledTexts]) -> dict:
+    """Where each split came from, for metrics.json and classifier.json: the file (or dataset) read and a digest
+    of what was read from it (`LabelledTexts.fingerprint`: --data's whole, for the splits cut from it)."""
+    files = held_out_files(args)
+    whole = data.fingerprint()
+    return {
+        k: {"file": files[k], "digest": parts[k].fingerprint()} if k in files else {"file": args.data, "digest": whole}
+        for k in ("train", "val", "test")
+    }
+
+
+def read_data(args: argparse.Namespace, log) -> tuple[LabelledTexts, dict[str, LabelledTexts], str | None]:
+    """The labelled texts and their train/val/test split: cut from --data, or read from --val-data/--test-data
+    (the protocol None when both are: nothing is cut)."""
+    columns = {"text_column": args.text_column, "label_column": args.label_column, "header": args.header}
+    data = load_dataset(args.data, **columns, split=args.data_split)
+    log(data.describe())
+    protocol = split_protocol(args)
+    parts = split_with_files(data, protocol, args.seed, held_out_files(args), columns, log)
+    return data, parts, protocol
+
+
+def refuse_float16(dtype: torch.dtype, what: str) -> torch.dtype:
+    """`dtype`, unless it is float16: without loss scaling (which this loop does not do) float16's small gradients
+    underflow to zero and its large ones overflow, so such a run would train badly or diverge, quietly."""
+    if dtype == torch.float16:
+        raise ValueError(
+            f"{what} cannot train: float16 needs loss scaling, which this loop does not do; "
+            "use --dtype bfloat16 (on a GPU that has it) or --dtype float32"
+        )
+    return dtype

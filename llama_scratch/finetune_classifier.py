@@ -19,9 +19,17 @@ import torch
 
 from .checkpoints.run_record import WEIGHTS_FILE, RunRecord, new_record
 from .data.batching import TokenizedSplit, default_max_length, encode_texts
-from .data.labelled import DataWarning, LabelledTexts, load_dataset
-from .data.splitting import default_protocol, split_dataset
-from .finetune_args import parse_args, quantize_setting, recorded_flags, resumed_flags
+from .data.labelled import DataWarning, LabelledTexts
+from .finetune_args import (
+    held_out_identity,
+    parse_args,
+    quantize_setting,
+    read_data,
+    recorded_flags,
+    refuse_float16,
+    resumed_flags,
+    split_files,
+)
 from .model.classifier import LlamaClassifier
 from .model.config import LlamaConfig
 from .model.counts import count_parameters
@@ -125,32 +133,10 @@ class Job:
     started: float
     data: LabelledTexts
     parts: dict[str, LabelledTexts]
-    protocol: str
+    protocol: str | None  # None: --val-data and --test-data given, nothing cut from --data
     choice: ModelChoice
     out: Path
     board: Callable[[dict], None] | None = None  # --tensorboard: writes each history row (training.board)
-
-
-def read_data(args: argparse.Namespace, log) -> tuple[LabelledTexts, dict[str, LabelledTexts], str]:
-    """The labelled texts and their train/val/test split."""
-    columns = {"text_column": args.text_column, "label_column": args.label_column, "header": args.header}
-    data = load_dataset(args.data, **columns, split=args.data_split)
-    log(data.describe())
-    protocol = args.split or default_protocol(args.data)
-    parts = split_dataset(data, protocol=protocol, seed=args.seed)
-    log(f"split '{protocol}': " + ", ".join(f"{k} {len(v):,}" for k, v in parts.items()))
-    return data, parts, protocol
-
-
-def refuse_float16(dtype: torch.dtype, what: str) -> torch.dtype:
-    """`dtype`, unless it is float16: without loss scaling (which this loop does not do) float16's small gradients
-    underflow to zero and its large ones overflow, so such a run would train badly or diverge, quietly."""
-    if dtype == torch.float16:
-        raise ValueError(
-            f"{what} cannot train: float16 needs loss scaling, which this loop does not do; "
-            "use --dtype bfloat16 (on a GPU that has it) or --dtype float32"
-        )
-    return dtype
 
 
 def choose_model(args: argparse.Namespace, strategy: Strategy, log) -> ModelChoice:
@@ -383,6 +369,7 @@ def classifier_meta(
         lora=choice.lora,
         lora_blocks=clf.lora_blocks,
         quantize=choice.quantize,
+        data=split_files(job.args, job.data, job.parts),
         tokenizer=tokenizer_ref,
         max_length=max_length,
         dtype=choice.dtype,
@@ -403,6 +390,7 @@ def run_identity(job: Job, max_length: int) -> dict:
         "label_names": data.label_names,
         "num_classes": data.num_classes,
         "split": job.protocol,
+        **held_out_identity(args, job.parts),  # None where cut from --data, as in points from before these flags
         "max_length": max_length,
         "dtype": str(choice.dtype),
         "train_last": "all" if choice.train_last is None else choice.train_last,
@@ -444,6 +432,7 @@ def final_metrics(
         "data": job.args.data,
         "split": job.protocol,
         "split_sizes": {k: len(v) for k, v in job.parts.items()},
+        "split_files": split_files(job.args, job.data, job.parts),
         "num_classes": data.num_classes,
         "label_names": data.label_names,
         **{f"{k}_accuracy": r["accuracy"] for k, r in results.items()},

@@ -6,6 +6,7 @@ training and classify must read alike (a csv-quoted TSV, JSON keys found by thei
 import csv
 import json
 import re
+from pathlib import Path
 
 import pytest
 
@@ -51,8 +52,8 @@ def test_a_csv_in_gives_every_class_probability_out_and_the_stdout_predictions(r
     rows = read_rows(tmp_path / "scored.csv")
     with open(small_csv, newline="") as f:
         texts = [row["message"] for row in csv.DictReader(f)]
-    assert list(rows[0]) == ["text", "predicted", "probability", "p_ham", "p_spam"]
-    assert [r["text"] for r in rows] == texts  # one row per input, in input order
+    assert list(rows[0]) == ["message", "category", "predicted", "probability", "p_ham", "p_spam"]
+    assert [r["message"] for r in rows] == texts  # one row per input, in input order
     for r in rows:
         probs = {name: float(r[f"p_{name}"]) for name in ("ham", "spam")}
         assert sum(probs.values()) == pytest.approx(1, abs=1e-5)
@@ -64,7 +65,7 @@ def test_a_csv_in_gives_every_class_probability_out_and_the_stdout_predictions(r
 def test_labels_print_the_accuracy_and_confusion_matrix_of_the_output_csv(run, small_csv, tmp_path, capsys):
     report, _ = classify_ok(capsys, run, "--file", small_csv, "--labels", "--output", tmp_path / "scored.csv")
     rows = read_rows(tmp_path / "scored.csv")
-    correct = sum(r["predicted"] == r["label"] for r in rows)
+    correct = sum(r["predicted"] == r["category"] for r in rows)
     assert f"accuracy {correct / len(rows):.2%} ({correct} of {len(rows)})" in report
     lines = report.splitlines()
     assert lines[1].split() == ["class", "precision", "recall", "F1", "support"]
@@ -73,7 +74,7 @@ def test_labels_print_the_accuracy_and_confusion_matrix_of_the_output_csv(run, s
     assert lines[at + 1].split() == ["ham", "spam"]
     matrix = [[int(c) for c in line.split()[1:]] for line in lines[at + 2 :]]
     assert len(matrix) == 2 and sum(map(sum, matrix)) == len(rows) and matrix[0][0] + matrix[1][1] == correct
-    assert matrix[1][0] == sum(r["label"] == "spam" and r["predicted"] == "ham" for r in rows)  # rows are true
+    assert matrix[1][0] == sum(r["category"] == "spam" and r["predicted"] == "ham" for r in rows)  # rows are true
 
 
 def test_an_unknown_label_is_one_error_naming_the_line_and_the_known_labels(run, tmp_path, capsys):
@@ -102,8 +103,8 @@ def test_jsonl_input_with_labels_and_empty_texts_left_out_with_a_count(run, smal
     report, err = classify_ok(capsys, run, "--file", data, "--labels", "--output", tmp_path / "scored.csv")
     assert "left out 2 input(s)" in err and f"line {len(rows) + 1}: empty text" in err
     scored = read_rows(tmp_path / "scored.csv")
-    assert [r["text"] for r in scored] == [r["message"] for r in rows]
-    assert [r["label"] for r in scored] == [r["category"] for r in rows]
+    assert [r["Text"] for r in scored] == [r["message"] for r in rows]
+    assert [r["category"] for r in scored] == [r["category"] for r in rows]
     assert re.search(rf"\(\d+ of {len(rows)}\)", report)
     as_arguments, _ = classify_ok(capsys, run, *[r["message"] for r in rows])
     assert [line.split("\t")[0] for line in as_arguments.splitlines()] == [r["predicted"] for r in scored]
@@ -223,7 +224,7 @@ def test_training_and_classify_read_a_csv_quoted_tsv_as_written(run, small_csv, 
     scored_csv = tmp_path / "scored.csv"
     _, err = classify_ok(capsys, run, "--file", path, "--labels", "--output", scored_csv)
     assert f"note: {path}: {quoted} quoted fields read as csv quoting" in err
-    assert [(r["text"], r["label"]) for r in read_rows(scored_csv)] == rows
+    assert [(r["message"], r["category"]) for r in read_rows(scored_csv)] == rows
 
 
 def test_a_csv_of_unusual_column_names_is_read_alike_by_training_and_classify(run, small_csv, tmp_path, capsys):
@@ -244,10 +245,10 @@ def test_a_csv_of_unusual_column_names_is_read_alike_by_training_and_classify(ru
     scored = tmp_path / "scored.csv"
     _, err = classify_ok(capsys, run, "--file", path, "--labels", "--output", scored)
     assert f"note: {path}: {read}\n" in err
-    assert [(r["text"], r["label"]) for r in read_rows(scored)] == rows
+    assert [(r["sms_body"], r["verdict"]) for r in read_rows(scored)] == rows
     _, err = classify_ok(capsys, run, "--file", path, "--output", scored, "--overwrite")  # the text column alone
     assert f"note: {path}: text 'sms_body' (header row)\n" in err
-    assert [r["text"] for r in read_rows(scored)] == [text for text, _ in rows]
+    assert [r["sms_body"] for r in read_rows(scored)] == [text for text, _ in rows]
     err = classify_fails(capsys, run, "--file", path, "--labels", "--no-header")  # the header row read as data
     assert f"{path} line 1: label 'verdict' is not one of this classifier's labels" in err
 
@@ -275,4 +276,67 @@ def test_jsonl_keys_of_other_names_are_found_by_their_values_in_training_and_cla
         in log
     )
     classify_ok(capsys, run, "--file", path, "--output", tmp_path / "scored.csv")  # no --text-column needed
-    assert [r["text"] for r in read_rows(tmp_path / "scored.csv")] == [text for text, _ in rows]
+    assert [r["docstring"] for r in read_rows(tmp_path / "scored.csv")] == [text for text, _ in rows]
+
+
+def test_scored_files_keep_every_input_column_for_csv_tsv_and_jsonl(run, small_csv, tmp_path, capsys):
+    """An `id` column (and any other) comes back beside the scores, in the input's order and format; the scores
+    are those classify prints for the same texts."""
+    rows = sms_rows(small_csv)[::8]
+    printed, _ = classify_ok(capsys, run, *[text for text, _ in rows])
+    expected = [line.split("\t")[0] for line in printed.splitlines()]
+    table = [("id", "message", "source"), *((f"sms-{i}", text, "uci") for i, (text, _) in enumerate(rows))]
+    for name, delimiter in (("in.csv", ","), ("in.tsv", "\t")):
+        path, scored = tmp_path / name, tmp_path / f"out{Path(name).suffix}"
+        with path.open("w", newline="") as f:
+            csv.writer(f, delimiter=delimiter).writerows(table)
+        classify_ok(capsys, run, "--file", path, "--output", scored)
+        with scored.open(newline="", encoding="utf-8") as f:
+            out = list(csv.DictReader(f, delimiter=delimiter))
+        assert list(out[0]) == ["id", "message", "source", "predicted", "probability", "p_ham", "p_spam"]
+        assert [(r["id"], r["message"], r["source"]) for r in out] == table[1:]
+        assert [r["predicted"] for r in out] == expected
+    path, scored = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    objects = [{"id": i, "text": text, "meta": {"lang": "en"}, "gold": y} for i, (text, y) in enumerate(rows)]
+    path.write_text("".join(json.dumps(obj) + "\n" for obj in objects))
+    classify_ok(capsys, run, "--file", path, "--output", scored)
+    out = [json.loads(line) for line in scored.read_text().splitlines()]
+    assert [{k: r[k] for k in ("id", "text", "meta", "gold")} for r in out] == objects  # every key, JSON types kept
+    assert list(out[0])[4:] == ["predicted", "probability", "p_ham", "p_spam"]
+    assert [r["predicted"] for r in out] == expected
+    assert all(r["probability"] == max(r["p_ham"], r["p_spam"]) for r in out)
+
+
+def test_the_input_is_never_overwritten_and_a_scored_file_is_not_scored_twice(run, tmp_path, capsys):
+    data = tmp_path / "in.csv"
+    data.write_text("id,text\n1,hello there\n2,win a prize\n")
+    before = data.read_bytes()
+    err = classify_fails(capsys, run, "--file", data, "--output", data, "--overwrite")
+    assert "is the --file being classified" in err and data.read_bytes() == before
+    scored = tmp_path / "scored.csv"
+    classify_ok(capsys, run, "--file", data, "--output", scored)
+    err = classify_fails(capsys, run, "--file", scored, "--output", tmp_path / "again.csv")
+    assert "already" in err and "'predicted'" in err and not (tmp_path / "again.csv").exists()
+
+
+def test_a_headerless_table_and_command_line_texts_are_scored_in_the_table_s_columns(tmp_path):
+    """No model needed: what data/scored.py writes for a table without a header (columns named by number) and a
+    command-line text beside it (its text in the text column, the other cells empty)."""
+    from llama_scratch.data.inputs import read_inputs
+    from llama_scratch.data.scored import scored_text
+
+    data = tmp_path / "bare.csv"
+    data.write_text("7,hello there,x\n8,win a prize now,y\n")
+    inputs = read_inputs(["typed"], str(data), "1", None, False, ["ham", "spam"], header=False)
+    assert inputs.texts == ["typed", "hello there", "win a prize now"]
+    probs = [[0.25, 0.75], [0.5, 0.5], [0.875, 0.125]]
+    text = scored_text(tmp_path / "out.csv", inputs, probs, [1, 0, 0], ["ham", "spam"])
+    assert text.splitlines() == [
+        "column_0,column_1,column_2,predicted,probability,p_ham,p_spam",
+        ",typed,,spam,0.750000,0.250000,0.750000",
+        "7,hello there,x,ham,0.500000,0.500000,0.500000",
+        "8,win a prize now,y,ham,0.875000,0.875000,0.125000",
+    ]
+    as_json = scored_text(tmp_path / "out.jsonl", inputs, probs, [1, 0, 0], ["ham", "spam"]).splitlines()
+    cells = {"column_0": "7", "column_1": "hello there", "column_2": "x"}
+    assert json.loads(as_json[1]) == {**cells, "predicted": "ham", "probability": 0.5, "p_ham": 0.5, "p_spam": 0.5}

@@ -54,8 +54,14 @@ def title(record: RunRecord, metrics: dict) -> str:
 def summary(record: RunRecord, metrics: dict) -> str:
     lines = [f"A `LlamaForSequenceClassification` fine-tuned from {base_name(record)} with llama_scratch."]
     if data := data_name(metrics):
-        sizes = ", ".join(f"{k} {v:,}" for k, v in metrics.get("split_sizes", {}).items())
-        lines.append(f"Data: `{data}`, split `{metrics.get('split', '?')}` ({sizes} texts).")
+        files = {k: Path(v["file"]).name for k, v in metrics.get("split_files", {}).items()}
+        sizes = ", ".join(
+            f"{k} {v:,}" + (f" from `{files[k]}`" if files.get(k, data) != data else "")
+            for k, v in metrics.get("split_sizes", {}).items()
+        )
+        split = metrics.get("split", "?")
+        cut = "validation and test files of its own" if split is None else f"split `{split}`"
+        lines.append(f"Data: `{data}`, {cut} ({sizes} texts).")
     if "test_accuracy" in metrics:
         lines.append(f"Test accuracy: {metrics['test_accuracy']:.2%}.")
     return " ".join(lines)

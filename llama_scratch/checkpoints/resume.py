@@ -31,6 +31,8 @@ _WHAT = {
     "world_size": "the number of processes",
     "label_names": "the label names",
     "num_classes": "the number of classes",
+    "val_digest": "the --val-data file (texts or labels)",
+    "test_digest": "the --test-data file (texts or labels)",
 }
 
 

@@ -138,6 +138,7 @@ class RunRecord:
     settings: dict | None = None  # the TrainSettings it trained with
     run_id: str | None = None  # the weights file's metadata holds the same
     quantize: str | None = None  # "nf4" or "int8": the frozen base weights were held quantized (absent: off)
+    data: dict | None = None  # per split, the file it came from and a digest of what was read (absent: older runs)
     path: Path | None = field(default=None, compare=False)
 
     def model_config(self) -> LlamaConfig:
@@ -158,7 +159,7 @@ class RunRecord:
             "max_length": self.max_length,
             "dtype": self.dtype,
         }
-        later = {"quantize": self.quantize, "settings": self.settings, "run_id": self.run_id}
+        later = {"quantize": self.quantize, "data": self.data, "settings": self.settings, "run_id": self.run_id}
         return record | {k: v for k, v in later.items() if v is not None}
 
     def find_base(self, override: str | Path | None) -> str:
@@ -209,6 +210,7 @@ def new_record(
     dtype: torch.dtype,
     settings: object,
     quantize: str | None = None,
+    data: dict | None = None,
 ) -> RunRecord:
     """The record of a run writing its results into `out` (the run id is added when they are written). `settings`
     is the dataclass the run trained with (TrainSettings), recorded field by field."""
@@ -225,6 +227,7 @@ def new_record(
         dtype=str(dtype).removeprefix("torch."),
         settings=dataclasses.asdict(settings),
         quantize=quantize,
+        data=data,
     )
 
 
@@ -275,7 +278,7 @@ def read_record(record_path: Path, weights_path: Path) -> RunRecord:
             f"{record_path.parent}: {RECORD_FILE} and {WEIGHTS_FILE} come from different runs (run ids "
             f"{meta.get('run_id')} and {weights_run}); train again into a new --output"
         )
-    keys = (*REQUIRED_KEYS, "base_model_relative", "base_model_repo", "settings", "run_id", "quantize")
+    keys = (*REQUIRED_KEYS, "base_model_relative", "base_model_repo", "settings", "run_id", "quantize", "data")
     lora = RecordedLoRA.from_json(meta.get("lora"), record_path)
     return RunRecord(**{k: meta[k] for k in keys if k in meta}, lora=lora, path=record_path)
 

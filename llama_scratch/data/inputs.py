@@ -7,6 +7,9 @@ the run's label names (a column holding only those is the label) and whether a l
 
 Labels are checked against the run's label names here, before the model loads: an unknown one is an error that
 names the line. Empty texts are left out and counted, never classified.
+
+Each text of a table keeps its row (`Inputs.records`: a table's cells, a JSON object), so `classify --output`
+writes the file's own columns back beside the scores (`data/scored.py`): ids and metadata survive the round trip.
 """
 
 from __future__ import annotations
@@ -25,6 +28,9 @@ from .labelled import MAX_LABEL_DIGITS, DataError, TableColumns, find_columns, j
 INTEGER = re.compile(r"[+-]?\d+")
 
 
+Record = list[str] | dict | None  # a text's row in its file: a table's cells, a JSON object; None: no file row
+
+
 @dataclass
 class Inputs:
     """What to classify, the file's label of each text when asked for (`None` otherwise), and the inputs left out
@@ -36,9 +42,27 @@ class Inputs:
     skipped: list[str] = field(default_factory=list)
     read_as: str = ""
     columns: str = ""  # the table's columns, when told from its cells rather than by name: worth saying
+    kind: str = "lines"  # "table" (CSV/TSV/TXT cells) or "jsonl" (objects): each text's row is in `records`
+    fields: list[str] = field(default_factory=list)  # a table's column names ("column_N" without a header)
+    text_field: str = "text"  # the table's text column or JSON key: where a command-line text goes beside them
+    records: list[Record] = field(default_factory=list)  # per text: its row (None: a command-line text)
 
 
-Row = tuple[str, str, str | None]  # (where, text, label or None when labels were not asked for)
+Row = tuple[str, str, str | None, Record]  # (where, text, label or None when labels were not asked for, its row)
+
+
+@dataclass
+class FileRows:
+    """What `read_file` found in `--file`: its rows and skipped rows, how it was read when that needs saying, and
+    for a table or JSON Lines, what `Inputs` keeps of it (`kind`, `fields`, `text_field`)."""
+
+    rows: list[Row]
+    skipped: list[str] = field(default_factory=list)
+    read_as: str = ""
+    columns: str = ""
+    kind: str = "lines"
+    fields: list[str] = field(default_factory=list)
+    text_field: str = "text"
 
 
 def read_inputs(
@@ -52,20 +76,21 @@ def read_inputs(
 ) -> Inputs:
     """The texts of the command line, then of `file`; with `labels`, each text's label as a name of the run.
     `header` False: a table's first row is data (--no-header); None: told from the table, as in training."""
-    rows: list[Row] = [(f"argument {i}", text, None) for i, text in enumerate(texts, start=1)]
+    rows: list[Row] = [(f"argument {i}", text, None, None) for i, text in enumerate(texts, start=1)]
     inputs = Inputs(labels=[] if labels else None)
     if file:
-        file_rows, inputs.skipped, inputs.read_as, inputs.columns = read_file(
-            file, text_column, label_column, labels, label_names, header
-        )
-        rows += file_rows
-    for where, text, label in rows:
+        found = read_file(file, text_column, label_column, labels, label_names, header)
+        inputs.skipped, inputs.read_as, inputs.columns = found.skipped, found.read_as, found.columns
+        inputs.kind, inputs.fields, inputs.text_field = found.kind, found.fields, found.text_field
+        rows += found.rows
+    for where, text, label, record in rows:
         if UNDECODABLE.search(text):
             inputs.skipped.append(f"{where}: undecodable bytes (not UTF-8)")
         elif not text.strip():
             inputs.skipped.append(f"{where}: empty text")
         elif inputs.labels is None:
             inputs.texts.append(text)
+            inputs.records.append(record)
         elif not label or not label.strip():
             inputs.skipped.append(f"{where}: missing label")
         elif (name := known_label(label, label_names)) is None:
@@ -74,6 +99,7 @@ def read_inputs(
         else:
             inputs.texts.append(text)
             inputs.labels.append(name)
+            inputs.records.append(record)
     return inputs
 
 
@@ -99,14 +125,14 @@ def read_file(
     labels: bool,
     label_names: list[str],
     header: bool | None = None,
-) -> tuple[list[Row], list[str], str, str]:
+) -> FileRows:
     """Rows and skipped rows of `--file`, how a table's quotes were read and how its columns were found, when
     that needs saying (else ""): .csv, .tsv and .jsonl are tables; .txt too when a column is asked for (read like
     training data), else it holds one text per line, like standard input ('-') and any other file."""
     if name == "-":
         if labels or text_column is not None:
             raise DataError("--labels and --text-column need a .csv, .tsv, .txt or .jsonl file, not standard input")
-        return line_rows(decode(sys.stdin.buffer.read(), Path("<stdin>")), "<stdin>"), [], "", ""
+        return FileRows(line_rows(decode(sys.stdin.buffer.read(), Path("<stdin>")), "<stdin>"))
     path = Path(name)
     try:
         raw = path.read_bytes()
@@ -118,13 +144,13 @@ def read_file(
     text = decode(raw, path)
     asked = labels or text_column is not None
     if suffix == ".jsonl":
-        return (*jsonl_rows(text, name, text_column, label_column, labels, label_names), "", "")
+        return jsonl_rows(text, name, text_column, label_column, labels, label_names)
     if suffix in (".csv", ".tsv") or (suffix == ".txt" and asked):
         table, read_as = table_rows(text, path)
     elif asked:
         raise DataError(f"{name}: --labels and --text-column need a .csv, .tsv, .txt or .jsonl file")
     else:
-        return line_rows(text, name), [], "", ""
+        return FileRows(line_rows(text, name))
     found = choose_columns(table, name, text_column, label_column, labels, label_names, header)
     rows, skipped = [], []
     for line, cells in found.body:
@@ -132,8 +158,10 @@ def read_file(
             skipped.append(f"{name} line {line}: expected {found.width} columns, found {len(cells)}")
         else:
             label = cells[found.label] if found.label is not None else None
-            rows.append((f"{name} line {line}", cells[found.text], label))
-    return rows, skipped, read_as, found.describe() if found.guessed else ""
+            rows.append((f"{name} line {line}", cells[found.text], label, cells))
+    fields = list(found.where.first) if found.where.header else [f"column_{j}" for j in range(found.width)]
+    columns = found.describe() if found.guessed else ""
+    return FileRows(rows, skipped, read_as, columns, "table", fields, fields[found.text])
 
 
 def line_rows(text: str, source: str) -> list[Row]:
@@ -141,7 +169,7 @@ def line_rows(text: str, source: str) -> list[Row]:
     lines = text.split("\n")
     if lines[-1] == "":  # the file's last line end
         lines.pop()
-    return [(f"{source} line {n}", line.removesuffix("\r"), None) for n, line in enumerate(lines, start=1)]
+    return [(f"{source} line {n}", line.removesuffix("\r"), None, None) for n, line in enumerate(lines, start=1)]
 
 
 def choose_columns(
@@ -163,7 +191,7 @@ def choose_columns(
 
 def jsonl_rows(
     text: str, name: str, text_key: str | None, label_key: str | None, labels: bool, label_names: list[str]
-) -> tuple[list[Row], list[str]]:
+) -> FileRows:
     """One JSON object per line; the keys as training finds them (`data.json_keys`), the label's only with labels.
     A key given but not in the first object is an error here (training would skip every row as missing it)."""
     objects = list(jsonl_objects(text, Path(name)))
@@ -185,8 +213,8 @@ def jsonl_rows(
         elif not isinstance(value := obj.get(tk), str):
             skipped.append(f"{where}: {tk!r} is {'missing' if value is None else type(value).__name__}")
         else:
-            rows.append((where, value, json_label(obj.get(lk)) if labels else None))
-    return rows, skipped
+            rows.append((where, value, json_label(obj.get(lk)) if labels else None, obj))
+    return FileRows(rows, skipped, kind="jsonl", text_field=tk)
 
 
 def json_label(value: object) -> str:

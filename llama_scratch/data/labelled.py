@@ -154,6 +154,7 @@ def load_dataset(
     label_column: str | None = None,
     header: bool | None = None,
     split: str = "train",
+    held_out: bool = False,
 ) -> LabelledTexts:
     """A bundled dataset by name (`sms_spam`), a `.csv`, `.tsv`, `.txt`, `.jsonl` or `.parquet` file, or the `split`
     of a Hugging Face dataset repository `owner/name` (fetched once into the Hugging Face cache; see `hub_data`).
@@ -174,6 +175,9 @@ def load_dataset(
     class ids follow the sorted label names (numerically when all are integers). Files may start with a UTF-8 BOM
     and use CRLF line ends. A Parquet file's columns are found by name like JSONL keys (pyarrow reads only those
     two). Bad rows are skipped and reported with a `DataWarning`.
+
+    `held_out`: a validation or test file, whose labels the training data's vouch for (`splitting.read_held_out`):
+    one class, or few rows per class, is then no sign of a wrong label column, and is not refused.
     """
     if str(name_or_path) == "sms_spam":
         return load_sms_spam()
@@ -182,7 +186,7 @@ def load_dataset(
         files = dataset_files(str(name_or_path), split)
         if files[0].suffix.lower() == ".parquet":
             items, skipped, columns = _read_parquet(files, text_column, label_column)
-            return _build(items, skipped, f"{name_or_path} ({split})", columns)
+            return _build(items, skipped, f"{name_or_path} ({split})", columns, held_out)
         path = files[0]
     if not path.is_file():
         what = "a directory, not a file" if path.is_dir() else "no such file"
@@ -192,14 +196,14 @@ def load_dataset(
         raise DataError(f"{path}: unsupported file type {suffix!r}; use .csv, .tsv, .txt, .jsonl or .parquet")
     if suffix == ".parquet":
         items, skipped, columns = _read_parquet([path], text_column, label_column)
-        return _build(items, skipped, path, columns)
+        return _build(items, skipped, path, columns, held_out)
     text = decode(path.read_bytes(), path)
     if suffix == ".jsonl":
         items, skipped, columns = _read_jsonl(text, path, text_column, label_column)
-        return _build(items, skipped, path, columns)
+        return _build(items, skipped, path, columns, held_out)
     table, quotes = table_rows(text, path)
     items, skipped, columns = _read_table(table, path, text_column, label_column, header)
-    return _build(items, skipped, path, f"{columns}; {quotes}" if quotes else columns)
+    return _build(items, skipped, path, f"{columns}; {quotes}" if quotes else columns, held_out)
 
 
 def _read_table(
@@ -423,9 +427,14 @@ def _check_class_count(names: list[str], rows: int, path: Path) -> None:
 
 
 def _build(
-    items: list[tuple[int, str, str]], skipped: list[BadRow], path: Path | str, columns: str = ""
+    items: list[tuple[int, str, str]],
+    skipped: list[BadRow],
+    path: Path | str,
+    columns: str = "",
+    held_out: bool = False,
 ) -> LabelledTexts:
-    """Number the classes, refuse data that cannot train a classifier, and warn about skipped rows."""
+    """Number the classes, refuse data that cannot train a classifier (unless `held_out`: it only evaluates one),
+    and warn about skipped rows."""
     data = LabelledTexts([], [], [], source=str(path), skipped=skipped)
     if not items:
         raise DataError(f"{path}: no usable rows" + (f"; skipped {data.skipped_report()}" if skipped else ""))
@@ -434,9 +443,10 @@ def _build(
     if integers:  # "1", "01" and "+1" are one class; names sort numerically so 2 < 10
         items = [(line, text, str(int(label))) for line, text, label in items]
     names = sorted({label for _, _, label in items}, key=int if integers else None)
-    if len(names) < 2:
+    if len(names) < 2 and not held_out:
         raise DataError(f"{path}: only one class ({names[0]!r}) in {len(items):,} rows; a classifier needs two")
-    _check_class_count(names, len(items), path)
+    if not held_out:
+        _check_class_count(names, len(items), path)
     index = {name: i for i, name in enumerate(names)}
     data = LabelledTexts(
         texts=[text for _, text, _ in items],

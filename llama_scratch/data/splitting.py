@@ -3,16 +3,21 @@
 
 Four protocols (`split_dataset`, chosen by `--split`): the book's balanced split, the same without repeated texts,
 a stratified split that keeps every row, and a plain shuffled cut. Randomness comes only from the seed.
+
+A project's own validation or test file (`--val-data`, `--test-data`: `read_held_out`) replaces that split: it is
+not cut from the data, whose rows it would have had train instead (`split_dataset`'s `given`), and its labels are
+the training data's class ids. Its rows whose text is also in the training rows are counted (`overlap`), not refused.
 """
 
 from __future__ import annotations
 
 import warnings
+from collections.abc import Collection
 from pathlib import Path
 
 import numpy as np
 
-from .labelled import BUNDLED, DataError, DataWarning, LabelledTexts
+from .labelled import BUNDLED, DataError, DataWarning, LabelledTexts, load_dataset
 
 PROTOCOLS = ("book", "dedup", "stratified", "full")
 
@@ -54,9 +59,18 @@ def shared_texts(a: LabelledTexts, b: LabelledTexts) -> int:
 
 
 def split_dataset(
-    data: LabelledTexts, protocol: str = "book", seed: int = 123, fractions: tuple[float, float] = (0.7, 0.1)
+    data: LabelledTexts,
+    protocol: str = "book",
+    seed: int = 123,
+    fractions: tuple[float, float] = (0.7, 0.1),
+    given: Collection[str] = (),
 ) -> dict[str, LabelledTexts]:
     """Train/val/test splits: train = int(0.7 n), val = int(0.1 n), test = the rest.
+
+    `given`: the splits that come from files of their own ("val", "test"), which are not cut: val = int(0.1 n) and
+    test = n - int(0.7 n) - int(0.1 n) as without them, for those still cut, and train = every other row (the
+    protocol's rows: `book` still undersamples). With both given, train is every row of `data`, uncut and in order,
+    whatever the protocol.
 
     - `book` (default for sms_spam), as in *Build a Large Language Model (From Scratch)*, ch. 6: undersample every
       class to the size of the smallest (a random subset), shuffle, cut. SMS: 747 + 747 = 1,494 -> 1045/149/300.
@@ -68,6 +82,8 @@ def split_dataset(
     - `full`: every row, shuffled, cut.
     Randomness comes only from `numpy.random.default_rng(seed)`, so a seed gives the same splits everywhere.
     """
+    if {"val", "test"} <= set(given):
+        return {"train": data.subset(range(len(data)))}
     if protocol not in PROTOCOLS:
         raise ValueError(f"unknown split protocol {protocol!r}; choose one of: {', '.join(PROTOCOLS)}")
     rng = np.random.default_rng(seed)
@@ -86,11 +102,77 @@ def split_dataset(
     else:
         index = rng.permutation(index)
     n = len(index)
-    n_train, n_val = int(n * fractions[0]), int(n * fractions[1])
+    n_val = 0 if "val" in given else int(n * fractions[1])
+    n_test = 0 if "test" in given else n - int(n * fractions[0]) - int(n * fractions[1])
+    n_train = n - n_val - n_test
     parts = {"train": index[:n_train], "val": index[n_train : n_train + n_val], "test": index[n_train + n_val :]}
+    parts = {name: p for name, p in parts.items() if name not in given}
     if min(len(p) for p in parts.values()) == 0:
         sizes = "/".join(str(len(p)) for p in parts.values())
-        raise DataError(f"{data.source}: {n} rows under '{protocol}' give train/val/test {sizes}; need more rows")
+        raise DataError(f"{data.source}: {n} rows under '{protocol}' give {'/'.join(parts)} {sizes}; need more rows")
     if protocol == "stratified":  # the cut left each split ordered by position; mix the classes
         parts = {name: rng.permutation(p) for name, p in parts.items()}
     return {name: data.subset(p.tolist()) for name, p in parts.items()}
+
+
+def read_held_out(flag: str, path: str, train: LabelledTexts, columns: dict) -> LabelledTexts:
+    """`--val-data` or `--test-data` (`flag`): a file read as `--data` was (`load_dataset`, the same `columns`
+    flags), its labels renumbered as the training data's classes. A label the training data lacks is refused by
+    name: the classifier has no output for it. Classes it lacks are fine (a small validation file may hold one)."""
+    if not Path(path).is_file() and path not in BUNDLED:
+        what = "a directory, not a file" if Path(path).is_dir() else "no such file"
+        raise DataError(f"{flag} {path}: {what}")
+    held = load_dataset(path, **columns, held_out=True)  # one class, or few rows of each, is no wrong column
+    index = {name: k for k, name in enumerate(train.label_names)}
+    for k, name in enumerate(held.label_names):
+        if name not in index:
+            line = held.rows[held.labels.index(k)]
+            known = ", ".join(train.label_names)
+            raise DataError(f"{flag} {path} line {line}: label {name!r} is not in the training data ({known})")
+    return LabelledTexts(
+        texts=held.texts,
+        labels=[index[held.label_names[y]] for y in held.labels],
+        label_names=list(train.label_names),
+        source=held.source,
+        rows=held.rows,
+        skipped=held.skipped,
+        columns=held.columns,
+    )
+
+
+def overlap(train: LabelledTexts, held: LabelledTexts) -> str | None:
+    """A line for the log when rows of `held` have a text (by `dedup_key`) that is also in `train`: how many, and
+    the first one's line in each file. Not refused: a fixed test set is the project's to keep, but such rows
+    measure memory, not held-out accuracy. None when there is none."""
+    first: dict[str, int] = {}
+    for text, row in zip(train.texts, train.rows or range(1, len(train) + 1), strict=True):
+        first.setdefault(dedup_key(text), row)
+    shared = [
+        (row, first[key]) for text, row in zip(held.texts, held.rows, strict=True) if (key := dedup_key(text)) in first
+    ]
+    if not shared:
+        return None
+    (row, train_row), n = shared[0], len(shared)
+    return (
+        f"{held.source}: {n:,} of {len(held):,} rows have a text that is also in the training rows (first: line "
+        f"{row}, as line {train_row} of {train.source}); kept, but they measure memory, not held-out accuracy"
+    )
+
+
+def split_with_files(
+    data: LabelledTexts, protocol: str | None, seed: int, files: dict[str, str], columns: dict, log
+) -> dict[str, LabelledTexts]:
+    """Train/val/test: the splits in `files` ("val", "test": a path each) read from them (`read_held_out`, their
+    overlap with the training rows logged), the others cut from `data` (`split_dataset`; `protocol` None: both
+    files given, every row of `data` trains)."""
+    parts = split_dataset(data, protocol or "full", seed=seed, given=files.keys())
+    for name, path in files.items():
+        parts[name] = read_held_out(f"--{name}-data", path, data, columns)
+        log(parts[name].describe())
+        if line := overlap(parts["train"], parts[name]):
+            log(line)
+    parts = {name: parts[name] for name in ("train", "val", "test")}
+    sizes = {k: f"{k} {len(v):,}" + (f" ({files[k]})" if k in files else "") for k, v in parts.items()}
+    cut = f"split '{protocol}'" if protocol else f"every row of {data.source} trains"
+    log(f"{cut}: {', '.join(sizes.values())}")  # without files, the line it always was
+    return parts
