@@ -57,6 +57,8 @@ def load_classifier(
         torch_dtype = trained_in  # training used, so predictions match the evaluation it reported
     base = None
     if record.weights_include_backbone:  # trained from scratch: the file holds every weight
+        if quantize:  # every weight trained: nothing frozen to hold in fewer bits (the run refused it too)
+            raise ValueError(f"--quantize holds a frozen base; {run_dir} was trained from random weights and has none")
         cfg.dtype = torch_dtype
         with torch.device("meta"):
             backbone = Llama(cfg)

@@ -288,8 +288,9 @@ def run(args: argparse.Namespace, progress: Progress | None = None) -> dict:
         if args.model is None:  # the default model may have to be downloaded: a plan names its model instead
             raise ValueError("--plan needs --model: a preset (e.g. llama3-8b), a checkpoint directory or a repo id")
         scratch = plans_from_scratch(args.model)
-        cfg = config_of(args.model)
-        return plan_command(args, cfg, chosen_train_last(args.train_last, scratch), lora_settings(args, scratch))
+        train_last, lora = chosen_train_last(args.train_last, scratch), lora_settings(args, scratch)
+        quantize_setting(args, scratch, train_last, lora)  # what a run would refuse, the plan refuses alike
+        return plan_command(args, config_of(args.model), train_last, lora)
     job, settings, log = prepare(args, progress)
     args, strategy, choice, out, parts = job.args, job.strategy, job.choice, job.out, job.parts
     progress.phase = "loading the weights"

@@ -110,7 +110,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--quantize",
         choices=["nf4", "int8"],
-        help="hold the blocks' and the LM head's weights in 4-bit NF4 or int8 (default: off)",
+        help="hold the blocks' weights (and an untied LM head's) in 4-bit NF4 or int8 (default: off)",
     )
     args = parser.parse_args(argv)
 

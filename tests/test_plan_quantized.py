@@ -125,7 +125,7 @@ def test_a_quantized_plan_refuses_what_a_run_refuses(capsys):
     """--quantize holds a whole base per GPU (not with --shard) and needs frozen weights (not --train-last all
     without --lora): one line, exit 2, as the run itself refuses them."""
     code, out = plan(["--model", "llama3-8b", "--quantize", "nf4", "--shard", "--world-size", "8"], capsys)
-    assert code == 2 and "--quantize holds a whole quantized base on each GPU" in out and "Traceback" not in out
+    assert code == 2 and "--quantize with --shard is not supported" in out and "Traceback" not in out
     code = command.main(["--plan", "--model", "llama3-8b", "--train-last", "all", "--quantize", "int8"])
     out = capsys.readouterr().err
     assert code == 2 and "--quantize needs frozen weights" in out and len(out.strip().splitlines()) == 1
@@ -168,3 +168,22 @@ def test_70b_lora_in_nf4_fits_one_80_gib_gpu(capsys):
     nf4 = plan_memory(dataclasses.replace(r, quantize="nf4"))
     assert nf4.quantized == 69_501_714_432 // 2 + 4 * 69_501_714_432 // 64
     assert nf4.fits(80 * GiB) and not plan_memory(r).fits(80 * GiB)
+
+
+# --- --plan and the run disagree on --quantize from random weights ---------------------------------------------------
+
+
+def test_plan_refuses_quantize_from_random_weights_as_the_run_does(capsys):
+    """`finetune --model tiny --train-last 2 --quantize nf4` is refused ("a model trained from random weights has
+    none"), and so is the same with --plan, with the same reason (it printed an NF4 plan and exited 0 before)."""
+    code = command.main(["--plan", "--model", "tiny", "--train-last", "2", "--quantize", "nf4"])
+    printed = capsys.readouterr()
+    assert code == 2, printed.out[:400]
+    assert "random weights" in printed.err
+
+
+def test_a_run_from_random_weights_with_quantize_and_train_last_is_refused(small_csv, tmp_path, capsys):
+    """The run's side of the pair above: the refusal the plan matches."""
+    argv = ["--model", "tiny", "--train-last", "2", "--quantize", "nf4", "--data", str(small_csv)]
+    assert command.main([*argv, "--output", str(tmp_path / "o"), "--max-steps", "1"]) == 2
+    assert "a model trained from random weights has none" in capsys.readouterr().err

@@ -220,6 +220,15 @@ def test_quantize_needs_frozen_pretrained_weights(base, small_csv, tmp_path, cap
     assert "--quantize needs frozen weights" in capsys.readouterr().err
 
 
+def test_classify_refuses_to_quantize_a_run_trained_from_random_weights(small_csv, tmp_path, capsys):
+    """Such a run trained every weight: there is no frozen base, and --quantize must not be silently ignored."""
+    assert finetune("tiny", small_csv, tmp_path / "run", "--train-last", "all", "--max-steps", "1") == 0
+    capsys.readouterr()
+    assert classify.main(["--checkpoint", str(tmp_path / "run"), "--quantize", "nf4", "a text"]) == 2
+    err = capsys.readouterr().err
+    assert "trained from random weights and has none" in err and len(err.strip().splitlines()) == 1
+
+
 def test_a_resume_with_another_quantize_is_refused(tmp_path):
     args = parse_args(["--quantize", "int8", "--resume", "--output", str(tmp_path)])
     with pytest.raises(ValueError, match="--quantize was 'nf4', now 'int8'"):

@@ -6,6 +6,7 @@ import os
 import signal
 import subprocess
 import sys
+import textwrap
 import time
 from pathlib import Path
 
@@ -188,3 +189,74 @@ def test_sigterm_to_one_sharded_process_stops_both_at_one_step_and_resumes(check
     assert a.keys() == b.keys() and max((a[k] - b[k]).abs().max().item() for k in a) == 0.0
     ma, mb = (json.loads((d / "metrics.json").read_text()) for d in (full, cut))
     assert ma["steps"] == mb["steps"] and ma["test_accuracy"] == mb["test_accuracy"]
+
+
+# --- a scheduler's SIGTERM reaches torchrun and every worker: the stop vote must still save --------------------------
+
+SLOW_TRAINING = textwrap.dedent(
+    """
+    import sys, time
+    from pathlib import Path
+    import torch
+    from llama_scratch import Llama, LlamaClassifier, LlamaConfig
+    from llama_scratch.data.batching import TokenizedSplit
+    from llama_scratch.parallel.strategy import choose_strategy, teardown
+    from llama_scratch.training import loop
+    from llama_scratch.training.interrupts import sigterm_as_ctrl_c
+    from llama_scratch.training.loop import TrainSettings, train
+
+    OUT = Path(sys.argv[1])
+    sigterm_as_ctrl_c()  # as finetune_classifier.main does
+    strategy = choose_strategy("cpu")
+    rank = strategy.processes.rank
+    ids = [[1 + (i * 7 + j) % 100 for j in range(5 + i % 4)] for i in range(400)]
+    splits = {"train": TokenizedSplit(ids, [i % 2 for i in range(400)]), "val": TokenizedSplit(ids[:8], [0, 1] * 4)}
+    real, calls = loop.train_step, []
+
+    def slow_step(*args, **kwargs):  # from the third step on, a step of 2 s: an 8B step's order of time
+        calls.append(1)
+        if len(calls) == 3:
+            (OUT / f"stepping{rank}").touch()
+        time.sleep(2.0 if len(calls) >= 3 else 0)
+        return real(*args, **kwargs)
+
+    loop.train_step = slow_step
+    torch.manual_seed(0)
+    clf = LlamaClassifier(Llama(LlamaConfig.from_name("tiny")), num_classes=2, train_last=1)
+    settings = TrainSettings(epochs=1, batch_size=2, save_every=1000, lr=1e-3)
+    try:
+        train(strategy.wrap(clf), splits, settings, strategy, OUT / "run", log=lambda *a: print(*a, flush=True))
+    finally:
+        teardown()
+    """
+)
+
+
+def test_a_schedulers_sigterm_to_every_process_still_saves_a_resume_point(tmp_path):
+    """slurmstepd (a time limit, scancel, preemption) sends SIGTERM to every process of the job step: torchrun and
+    its workers alike (they are in the step's cgroup; torchrun's new session does not take them out). torchrun then
+    forwards its own SIGTERM to the workers, so each worker gets two within one step. Every process must still
+    save (found by review, 2026-11-26: a second SIGTERM used to mean "stop at once, without saving", so none did)."""
+    script = tmp_path / "slow.py"
+    script.write_text(SLOW_TRAINING)
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    launch = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", str(script), str(tmp_path)]
+    with (tmp_path / "stdout").open("w") as out, (tmp_path / "stderr").open("w") as err:
+        proc = subprocess.Popen(launch, env=env, stdout=out, stderr=err, start_new_session=True)
+        deadline = time.time() + 120
+        while not all((tmp_path / f"stepping{r}").exists() for r in (0, 1)) and time.time() < deadline:
+            time.sleep(0.05)
+        time.sleep(0.5)  # inside step 3 on both
+        found = subprocess.run(["pgrep", "-P", str(proc.pid)], capture_output=True, text=True).stdout.split()
+        workers = [int(pid) for pid in found]
+        assert len(workers) == 2 and proc.poll() is None, (tmp_path / "stderr").read_text()[-3000:]
+        for pid in (proc.pid, *workers):  # what slurmstepd does
+            os.kill(pid, signal.SIGTERM)
+        try:
+            proc.wait(timeout=120)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            raise AssertionError("hung") from None
+    printed = (tmp_path / "stdout").read_text()
+    assert (tmp_path / "run" / "resume.safetensors").exists(), printed[-2000:]
+    assert "interrupted at step" in printed and "without saving" not in printed, printed[-2000:]

@@ -100,8 +100,10 @@ def process_device(requested: str | None, processes: Processes, gpus: int) -> to
 
 def teardown() -> None:
     """Leave the process group (no barrier: after an error the other ranks may never arrive)."""
+    global _host_group
     if dist.is_initialized():
-        dist.destroy_process_group()
+        dist.destroy_process_group()  # every group, the host group too: a later `setup` makes a new one
+    _host_group = None
 
 
 def wrap(model: nn.Module, processes: Processes, device: torch.device) -> nn.Module:

@@ -44,7 +44,9 @@ def stops_noted(several: bool) -> Iterator[Callable[[], bool]]:
     """While `several` processes train, Ctrl-C and SIGTERM are noted rather than raised; the block gets `asked()`,
     whether one was, which the loop puts to a vote at each step's end (Strategy.stop_agreed). A process raising
     alone, mid-step, would save through collectives the others never reach (a sharded save), or leave them
-    waiting in the next one. A second signal raises at once: the way out of a stuck run, without saving. A process
+    waiting in the next one. A second Ctrl-C raises at once: the way out of a stuck run, without saving. A second
+    SIGTERM does not: a scheduler (Slurm at the time limit, preemption) signals every process of the job and
+    torchrun forwards its own, so each process can get two within one step, and all must still save. A process
     alone is left as it was (raised at once, or once a deferred block ends): it has no one to wait for."""
     if not several or threading.current_thread() is not threading.main_thread():
         yield lambda: False
@@ -53,7 +55,7 @@ def stops_noted(several: bool) -> Iterator[Callable[[], bool]]:
 
     def note(signum, frame) -> None:
         caught.append(signum)
-        if len(caught) > 1:
+        if signum == signal.SIGINT and caught.count(signal.SIGINT) > 1:  # a person pressing Ctrl-C again
             raise KeyboardInterrupt
 
     previous = {sig: signal.signal(sig, note) for sig in _STOP_SIGNALS}
