@@ -12,6 +12,7 @@ memory, pages come in from the page cache (or disk) on first use, and a write (t
 
 from __future__ import annotations
 
+import ctypes
 import dataclasses
 import json
 import os
@@ -117,6 +118,8 @@ def load_weights(
     aliases = _aliases(model)
     show = progress if progress is not None else int(os.environ.get("RANK", "0")) == 0
     _stream(files, entries, params, aliases, device, mmap, show, report)
+    if quantize is not None and (device is None or device.type == "cpu"):
+        return_freed_host_memory()
     if tied_head is not None:
         _check_tied_head(tied_head, model.embed_tokens.weight, strict, report)
     for name in missing:
@@ -125,6 +128,19 @@ def load_weights(
     _materialize_buffers(model, device or model.embed_tokens.weight.device)
     report.seconds = time.perf_counter() - start
     return report
+
+
+def return_freed_host_memory() -> None:
+    """Hand the C library's freed heap pages back to the system (glibc's `malloc_trim`; nothing elsewhere).
+
+    Quantizing on the CPU frees a row chunk's temporaries (tens of MB) after every few rows, between the quantized
+    weights, which stay. glibc keeps such holes in its heap instead of returning them: about 32 MiB a block, 1 GiB
+    over Llama-3-8B's 32 (RSS 0.398x the checkpoint against 0.328x of arithmetic, benchmarks/RESULTS.md)."""
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+    except OSError:  # not glibc (macOS, Windows, musl): their allocators return memory their own way
+        return
+    libc.malloc_trim(0)
 
 
 # The load bar: bytes loaded of the total (what the bar fills by), tensors, seconds so far. No rate and no time left:
