@@ -254,7 +254,8 @@ def test_a_quantized_run_classifies_as_it_evaluated_and_exports(base, small_csv,
     with scored.open(newline="") as f:
         rows = list(csv.DictReader(f))
     names = metrics["label_names"]
-    confusion = [[sum(r["label"] == a and r["predicted"] == b for r in rows) for b in names] for a in names]
+    # the scored file keeps the input's own columns: its labels are under "category"
+    confusion = [[sum(r["category"] == a and r["predicted"] == b for r in rows) for b in names] for a in names]
     assert confusion == metrics["test_confusion"]
     clf, tokenizer, _ = classify.load_classifier(run, device="cpu", dtype="float32")
     assert isinstance(clf.backbone.blocks[0].ffn.up_proj, (QuantizedLinear, LoRALinear))
