@@ -49,7 +49,9 @@ def new_head(dim: int, num_classes: int, dtype: torch.dtype, device: torch.devic
         return nn.Linear(dim, num_classes, bias=False, dtype=dtype, device=device)
     head = nn.Linear(dim, num_classes, bias=False, dtype=dtype, device="cpu")
     nn.init.normal_(head.weight, std=0.02)
-    return head.to(device)
+    if torch.device(device).type != "cpu":  # a new parameter on the device, not Module.to: that swaps tensors in
+        head.weight = nn.Parameter(head.weight.detach().to(device))  # place, which fake tensors (a simulation) refuse
+    return head
 
 
 class LlamaClassifier(nn.Module):
