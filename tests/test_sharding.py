@@ -331,7 +331,6 @@ def test_sharded_random_weights_start_as_one_process_without_a_whole_copy(tmp_pa
 
 FOREACH_SCRIPT = """
 import os
-import tempfile
 from pathlib import Path
 
 import torch
@@ -356,8 +355,9 @@ for state, dtype, train_last in (("param", torch.float32, None), ("float32", tor
         assert [g["foreach"] for g in groups] == [kernels is optimizer_kernels] * 2, (state, groups)
         assert all(sharding.is_dtensor(p) for g in groups for p in g["params"])
         settings = TrainSettings(epochs=1, batch_size=4, lr=1e-3, save_every=1000, optimizer_state=state)
-        with tempfile.TemporaryDirectory() as out:
-            train(clf, {"train": split, "val": split}, settings, strategy, Path(out), log=lambda *a: None)
+        # One folder both processes see (a sharded run's resume parts are counted there), one per run
+        out = Path(__file__).with_suffix("") / f"{state}-{'foreach' if kernels is optimizer_kernels else 'one'}"
+        train(clf, {"train": split, "val": split}, settings, strategy, out, log=lambda *a: None)
         trained[kernels] = {n: p.to_local().float() for n, p in clf.named_parameters() if p.requires_grad}
     foreach, before = trained[optimizer_kernels], trained[one_at_a_time]
     moved = max((p - q).abs().max().item() for p, q in zip(foreach.values(), before.values(), strict=True))
