@@ -417,6 +417,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     )
     p.add_argument("--batch-size", type=int, default=8, help="rows per optimizer step (default: 8)")
     p.add_argument("--peak-tflops", type=float, help="the device's dense bf16 peak, if gpu_8b's table lacks it")
+    p.add_argument(
+        "--no-cudnn-attention",
+        action="store_true",
+        help="switch cuDNN's fused attention off (flash then takes the calls): see benchmarks/sdpa_shapes.py",
+    )
     args = p.parse_args(argv)
     if args.warmup < 2:
         p.error("--warmup must be at least 2: the first step allocates the optimizer's state, the last is profiled")
@@ -428,6 +433,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 def start(args: argparse.Namespace, argv: list[str] | None) -> tuple[Strategy, dict]:
     """The device (chosen as finetune_classifier chooses it) and the result's header."""
+    if args.no_cudnn_attention:
+        torch.backends.cuda.enable_cudnn_sdp(False)
     strategy = choose_strategy(args.device)
     device = strategy.device
     on_gpu = device.type == "cuda"
@@ -441,6 +448,7 @@ def start(args: argparse.Namespace, argv: list[str] | None) -> tuple[Strategy, d
         "cuda": torch.version.cuda if on_gpu else None,
         "peak_bf16_tflops": args.peak_tflops or (peak_tflops(name) if on_gpu else None),
         "quick": args.quick,
+        "cudnn_attention": torch.backends.cuda.cudnn_sdp_enabled(),
         "tokenizer": "byte-level: 256 byte tokens + Llama-3's specials (~4x Llama-3's tokens per text)",
     }
     log(f"device {name}, torch {torch.__version__}, CUDA {result['cuda']}; checkpoints in {args.dir}")
