@@ -9,12 +9,14 @@ first half of each head against the second half (Meta's original code rotates in
 
 from __future__ import annotations
 
+import contextlib
 import math
 from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.utils.checkpoint import checkpoint
 
 from .config import LlamaConfig, RopeScaling
@@ -207,7 +209,28 @@ class Attention(nn.Module):
         shared = self.n_kv_heads != self.n_heads and kernel_shares_heads(q, mask)
         if self.n_kv_heads != self.n_heads and not shared:
             k, v = (t.repeat_interleave(self.n_heads // self.n_kv_heads, dim=1) for t in (k, v))
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=is_causal, enable_gqa=shared)
+        with kernel_order(q.device):
+            return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=is_causal, enable_gqa=shared)
+
+
+# The fused attention kernels in the order a CUDA call asks for them. torch >= 2.10 tries cuDNN's first on recent
+# GPUs, and cuDNN builds an execution plan for each new shape: on an H200 (benchmarks/sdpa_shapes.py, 8B's heads, 8
+# texts) a forward + backward at a length it had not seen took ~100 ms of host time, against 0.4 ms with flash, and
+# 0.4 ms with cuDNN once the shape was planned. Training batches are packed to their longest text and generation adds
+# a key each token, so nearly every call has a new length: flash first, then the memory-efficient kernel; cuDNN only
+# where neither takes the call, math last. gpu_check.py's 8B "last 2 blocks" recipe went from 4,612 to 48,573 tokens/s.
+CUDA_KERNEL_ORDER = [
+    SDPBackend.FLASH_ATTENTION,
+    SDPBackend.EFFICIENT_ATTENTION,
+    SDPBackend.CUDNN_ATTENTION,
+    SDPBackend.MATH,
+]
+
+
+def kernel_order(device: torch.device) -> contextlib.AbstractContextManager:
+    """CUDA_KERNEL_ORDER for a call on a CUDA device; nothing elsewhere (the CPU has flash and math only, and
+    entering the context costs tens of microseconds a call there)."""
+    return sdpa_kernel(CUDA_KERNEL_ORDER, set_priority=True) if device.type == "cuda" else contextlib.nullcontext()
 
 
 def kernel_shares_heads(q: torch.Tensor, mask: torch.Tensor | None) -> bool:
@@ -216,8 +239,8 @@ def kernel_shares_heads(q: torch.Tensor, mask: torch.Tensor | None) -> bool:
     On CUDA (aten/src/ATen/native/transformers/cuda/sdp_utils.cpp, torch 2.5 to 2.11), among the fused kernels
     only flash attention accepts fewer key/value heads than query heads, and flash takes no mask, float16 and
     bfloat16 only, on sm80 and newer. The memory-efficient kernel refuses grouped heads (until a change after
-    torch 2.11), and cuDNN, which torch >= 2.10 may try first on sm90, takes them but not every shape. So on CUDA:
-    no mask, half precision, sm80+: flash serves it (or cuDNN before it). Anything else with `enable_gqa` would
+    torch 2.11), and cuDNN takes them but not every shape (and comes after flash: CUDA_KERNEL_ORDER). So on CUDA:
+    no mask, half precision, sm80+: flash serves it. Anything else with `enable_gqa` would
     fall to the math kernel (float32 T x T scores per head; issue 20): a masked call (a KV cache's, query rows',
     packed texts' last tokens), float32, an older GPU. The CPU's flash kernel takes grouped heads in every dtype;
     masked calls repeat there too, so that the CPU runs the paths a GPU runs. Other devices: repeat.
