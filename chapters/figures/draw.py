@@ -454,7 +454,7 @@ def prefix_cache_loop(out: Path) -> Path:
     arrow(ax, (3.4, 2.95), (5.0, 3.45))
     label(ax, 4.2, 3.45, "read, not\nrecomputed", fs=7.5)
     arrow(ax, (8.0, 1.52), (8.0, 2.82), color=RED, rad=0.5, ls="--")
-    label(ax, 8.6, 2.2, "backward\nand AdamW:\ntrained\nparts only", fs=7.5, color=RED)
+    label(ax, 8.5, 2.2, "backward,\nAdamW:\ntrained\nparts only", fs=7.5, color=RED)
     label(
         ax,
         6.5,
