@@ -1,6 +1,6 @@
 """The README and docs/ say only what is true: every default they name for a flag is the one the command's parser
-(and TrainSettings) holds, every link and path leads somewhere, the Python examples run, and the README stays a
-front page.
+(and TrainSettings) holds, every link and path leads somewhere, the Python examples run, the README stays a
+front page, both READMEs list every chapter, and no shell line in them, docs/ or a chapter breaks when copied.
 
 The one format for a default is a flags table: a header `| flag of `llama-scratch CMD` | default | ... |`, a row
 per flag. Outside those tables no page names a flag's default."""
@@ -11,6 +11,7 @@ import argparse
 import dataclasses
 import functools
 import importlib
+import json
 import re
 from collections import Counter
 from pathlib import Path
@@ -323,3 +324,73 @@ def test_readme_test_command_is_what_ci_runs():
     steps = [line.replace(" --quiet", "") for line in ci[start:]]
     command = next(line for line in README.read_text().splitlines() if line.endswith("&& pytest"))
     assert command.split(" && ")[2:] == steps
+
+
+# ---------------------------------------------------------------------------------------------- (e) the chapters
+
+CHAPTERS_README = ROOT / "chapters" / "README.md"
+NOTEBOOKS = sorted((ROOT / "chapters").glob("[0-9][0-9]_*.ipynb"))
+SHELL_FENCES = {"bash", "sh", "shell", "console", "zsh"}
+
+
+def markdown_cells(notebook: Path) -> list[tuple[int, str]]:
+    """(cell index, source) of a notebook's markdown cells."""
+    cells_ = json.loads(notebook.read_text(encoding="utf-8"))["cells"]
+    return [(i, "".join(c["source"])) for i, c in enumerate(cells_) if c["cell_type"] == "markdown"]
+
+
+def shell_lines(text: str) -> list[tuple[int, str]]:
+    """(line number, line) of every line inside a ```bash (or sh, shell, console, zsh) fence of markdown `text`."""
+    out, fence = [], None
+    for number, line in enumerate(text.splitlines(), 1):
+        if line.lstrip().startswith("```"):
+            fence = line.strip().removeprefix("```").strip() if fence is None else None
+            continue
+        if fence in SHELL_FENCES:
+            out.append((number, line))
+    return out
+
+
+def shell_texts() -> list[tuple[str, str]]:
+    """(where, markdown) of every page and chapter cell a reader copies commands from."""
+    pages = [(p.relative_to(ROOT).as_posix(), p.read_text(encoding="utf-8")) for p in [*PAGES, CHAPTERS_README]]
+    chapters = [
+        (f"{nb.relative_to(ROOT).as_posix()} cell {i}", text) for nb in NOTEBOOKS for i, text in markdown_cells(nb)
+    ]
+    return pages + chapters
+
+
+def test_the_shell_checks_see_every_page_and_chapter():
+    """The check below must not pass by looking at nothing: it reads shell lines from the pages and the chapters."""
+    texts = shell_texts()
+    assert len(NOTEBOOKS) >= 12 and {w.split(" cell ")[0] for w, _ in texts} >= {
+        nb.relative_to(ROOT).as_posix() for nb in NOTEBOOKS
+    }
+    assert shell_lines("```bash\nls \\\\\n```\n```python\nx = 1\n```") == [(2, "ls \\\\")]
+    assert any(shell_lines(text) for where, text in texts if " cell " in where)  # chapters have shell blocks too
+
+
+def test_no_shell_line_ends_with_a_doubled_backslash():
+    """A shell line is continued by one backslash; a doubled one (a Python string's escape, pasted into markdown)
+    ends the command with a literal backslash, and the copied command breaks."""
+    for where, text in shell_texts():
+        for number, line in shell_lines(text):
+            assert not line.rstrip().endswith("\\\\"), f"{where}, line {number}: a doubled backslash: {line.strip()}"
+
+
+def chapter_title(notebook: Path) -> str:
+    """'Configuration and size' from the notebook's first line, '# Chapter 1: Configuration and size'."""
+    first = markdown_cells(notebook)[0][1].splitlines()[0]
+    heading = re.fullmatch(rf"# Chapter {int(notebook.name[:2])}: (.+)", first)
+    assert heading, f"{notebook.name} opens with {first!r}, not '# Chapter {int(notebook.name[:2])}: ...'"
+    return heading.group(1)
+
+
+@pytest.mark.parametrize("page", [README, CHAPTERS_README], ids=["README.md", "chapters/README.md"])
+def test_every_chapter_is_listed_by_its_title(page):
+    """Both READMEs list every chapter, in order, as `N. [its first heading](its file)`."""
+    text = page.read_text(encoding="utf-8")
+    where = "chapters/" if page == README else ""
+    listed = re.findall(r"^(\d+)\. \[([^\]]+)\]\(([^)]+\.ipynb)\)", text, re.MULTILINE)
+    expected = [(str(int(nb.name[:2])), chapter_title(nb), where + nb.name) for nb in NOTEBOOKS]
+    assert listed == expected, f"{page.relative_to(ROOT)} lists {listed}, the chapters are {expected}"

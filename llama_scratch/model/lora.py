@@ -11,8 +11,11 @@ so the layer trains r x (in + out) numbers: for a 576 x 576 projection at r = 8,
 - B starts at zero, so B A = 0 and the adapted model starts exactly where the pretrained one is.
 - A starts random (as in PEFT, Kaiming-uniform). If it were zero too, B's gradient, grad_h (A x)^T, would be
   zero and nothing would ever move.
-- alpha / r scales the change. We default alpha to 2 r (a scale of 2 at any rank), so a learning rate that
-  works at one rank works at another.
+- alpha / r scales the change. We default alpha to 2 r, so the scale is 2 at every rank. The LoRA paper keeps
+  alpha fixed as r varies instead (set to the first r tried, then not tuned), so that alpha / r shrinks as r grows
+  and less needs retuning when r changes; rsLoRA (Kalajdzievski 2023) finds 1 / r too small at large ranks and
+  scales by alpha / sqrt(r). With our constant scale, retune the learning rate (or fix alpha) when the rank
+  changes.
 - Dropout, if asked, applies to the adapter's input only: the frozen path W x sees the text unchanged.
 
 After training, (alpha / r) B A is just an [out, in] matrix: `merge` adds it to W once, and the layer is a plain
