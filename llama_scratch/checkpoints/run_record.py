@@ -139,6 +139,8 @@ class RunRecord:
     run_id: str | None = None  # the weights file's metadata holds the same
     quantize: str | None = None  # "nf4" or "int8": the frozen base weights were held quantized (absent: off)
     data: dict | None = None  # per split, the file it came from and a digest of what was read (absent: older runs)
+    multi_label: bool = False  # --multi-label: a sigmoid per label (absent: older runs, one label per text)
+    threshold: float | None = None  # --multi-label: a label is predicted at this probability or above
     path: Path | None = field(default=None, compare=False)
 
     def model_config(self) -> LlamaConfig:
@@ -160,7 +162,8 @@ class RunRecord:
             "dtype": self.dtype,
         }
         later = {"quantize": self.quantize, "data": self.data, "settings": self.settings, "run_id": self.run_id}
-        return record | {k: v for k, v in later.items() if v is not None}
+        labels = {"multi_label": True, "threshold": self.threshold} if self.multi_label else {}
+        return record | {k: v for k, v in later.items() if v is not None} | labels
 
     def find_base(self, override: str | Path | None) -> str:
         """The base checkpoint: `--model` if given; else as recorded, relative to the run (a run moved together with
@@ -211,6 +214,8 @@ def new_record(
     settings: object,
     quantize: str | None = None,
     data: dict | None = None,
+    multi_label: bool = False,
+    threshold: float | None = None,
 ) -> RunRecord:
     """The record of a run writing its results into `out` (the run id is added when they are written). `settings`
     is the dataclass the run trained with (TrainSettings), recorded field by field."""
@@ -228,6 +233,8 @@ def new_record(
         settings=dataclasses.asdict(settings),
         quantize=quantize,
         data=data,
+        multi_label=multi_label,
+        threshold=threshold,
     )
 
 
@@ -279,6 +286,7 @@ def read_record(record_path: Path, weights_path: Path) -> RunRecord:
             f"{meta.get('run_id')} and {weights_run}); train again into a new --output"
         )
     keys = (*REQUIRED_KEYS, "base_model_relative", "base_model_repo", "settings", "run_id", "quantize", "data")
+    keys += ("multi_label", "threshold")
     lora = RecordedLoRA.from_json(meta.get("lora"), record_path)
     return RunRecord(**{k: meta[k] for k in keys if k in meta}, lora=lora, path=record_path)
 
@@ -308,4 +316,10 @@ def wrong_types(meta: dict) -> list[str]:
     wrong += [k for k, kind in optional.items() if meta.get(k) is not None and not isinstance(meta[k], kind)]
     if meta.get("quantize") not in (None, *QUANTIZE_KINDS):
         wrong.append("quantize")
+    if type(meta.get("multi_label", False)) is not bool:
+        wrong.append("multi_label")
+    elif meta.get("multi_label") and not (type(meta.get("threshold")) is float and 0 < meta["threshold"] < 1):
+        wrong.append("threshold")  # a multi-label run's labels are decided by it: a number between 0 and 1
+    elif not meta.get("multi_label") and meta.get("threshold") is not None:
+        wrong.append("threshold")
     return wrong
