@@ -216,7 +216,8 @@ def check_same_run(path: Path, record: dict, settings: TrainSettings, identity: 
     for changeable in ("save_every",):  # how often to save may change between the two halves of a run
         saved.pop(changeable, None), now.pop(changeable, None)
     saved.setdefault("select_by", "accuracy")  # a point from before --select-by selected by accuracy
-    saved.setdefault("multi_label", False)  # and one from before --multi-label had one label per text
+    if "multi_label" in now:  # the command's identity has it; a point from before --multi-label had one label a text
+        saved.setdefault("multi_label", False)
     if partial:
         saved = {k: v for k, v in saved.items() if k in now}
     resume.check_same_run(path, saved, now)
