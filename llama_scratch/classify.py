@@ -222,7 +222,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--labels",
         action="store_true",
         help="the file also has a label column: print accuracy, per-class precision/recall/F1 and the confusion "
-        "matrix (a .txt file is then read as a tab- or comma-separated table, as in training)",
+        "matrix (a --multi-label run's: ;-separated labels, and exact match, micro/macro-F1 and each label's "
+        "figures) (a .txt file is then read as a tab- or comma-separated table, as in training)",
     )
     p.add_argument("--label-column", metavar="NAME", help="the file's label column or key (implies --labels)")
     p.add_argument(
@@ -239,7 +240,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         metavar="FILE",
         help="write the scores instead of printing a line per text (label, probability, the text's first "
         f"{ECHO_CHARS} characters): a table's or JSONL file's own columns, then predicted, probability and "
-        "p_<class> for each class (text, the scores and label with --labels for texts without columns); "
+        "p_<class> for each class (text, the scores and label with --labels for texts without columns; a "
+        "--multi-label run's predicted is its labels ;-joined, and it has no probability); "
         "JSON Lines for .jsonl, TSV for .tsv, else CSV",
     )
     p.add_argument("--overwrite", action="store_true", help="replace an existing --output file")

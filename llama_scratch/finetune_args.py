@@ -193,7 +193,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--class-weights",
         choices=["none", "balanced"],
         default="none",
-        help="balanced: weigh each class's loss by how rare it is, for imbalanced labels (default: none)",
+        help="balanced: weigh each class's loss by how rare it is, for imbalanced labels (--multi-label: each "
+        "label's positive rows by its negatives / positives) (default: none)",
     )
     g.add_argument("--seed", type=int, default=d.seed, help=f"(default: {d.seed})")
     g = p.add_argument_group("memory")

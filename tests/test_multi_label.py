@@ -6,6 +6,7 @@ micro- and macro-F1 and exact match; `classify` prints and writes the labels at 
 import csv
 import json
 import random
+import textwrap
 
 import pytest
 import torch
@@ -18,6 +19,8 @@ from llama_scratch.data.splitting import read_held_out, split_dataset
 from llama_scratch.training import objective
 from llama_scratch.training.evaluation import choose_threshold, final_figures, label_set_figures
 from llama_scratch.training.loop import balanced_weights
+
+from .test_distributed import run_on_two_processes
 
 COLUMNS = {"text_column": None, "label_column": None, "header": None}
 KEYWORDS = {"sports": "goal", "politics": "vote", "music": "guitar"}
@@ -266,3 +269,39 @@ def test_an_older_record_without_multi_label_reads_as_one_label_per_text(small_c
     (out / "classifier.json").write_text(json.dumps(record))
     with pytest.raises(ValueError, match="threshold not as a finished run writes them"):
         read_run(out)
+
+
+TWO_PROCESS_SCRIPT = textwrap.dedent(
+    """
+    import os
+
+    import torch
+
+    from llama_scratch import Llama, LlamaClassifier, LlamaConfig
+    from llama_scratch.data.batching import TokenizedSplit
+    from llama_scratch.parallel.strategy import Replicated, choose_strategy, teardown
+    from llama_scratch.training.evaluation import evaluate
+    from llama_scratch.training.loop import TrainSettings
+
+    strategy = choose_strategy("cpu")
+    torch.manual_seed(0)
+    clf = LlamaClassifier(Llama(LlamaConfig.from_name("tiny")), num_classes=3, train_last=2)
+    ids = [[1 + (i * 7 + j) % 100 for j in range(3 + i % 5)] for i in range(13)]  # 13 rows: 7 and 6 a process
+    split = TokenizedSplit(ids, [[i % 2, int(i % 3 == 0), int(i > 6)] for i in range(13)])
+    s = TrainSettings(batch_size=2)
+    shared = evaluate(strategy.wrap(clf), split, s, strategy, "two")
+    alone = evaluate(clf, split, s, Replicated(), "one")
+    assert shared["count"] == alone["count"] == 13
+    assert sorted(map(tuple, shared["targets"])) == sorted(map(tuple, alone["targets"]))
+    pairs = lambda r: sorted(zip(map(tuple, r["targets"]), map(tuple, r["probabilities"])))  # noqa: E731
+    for (t1, p1), (t2, p2) in zip(pairs(shared), pairs(alone), strict=True):
+        assert t1 == t2 and max(abs(a - b) for a, b in zip(p1, p2, strict=True)) < 1e-5
+    assert abs(shared["loss"] - alone["loss"]) < 1e-6 and shared["micro_f1"] == alone["micro_f1"]
+    os.write(1, f"rank {strategy.processes.rank} ok\\n".encode())
+    teardown()
+    """
+)
+
+
+def test_two_processes_gather_every_row_s_probabilities_once(tmp_path):
+    run_on_two_processes(TWO_PROCESS_SCRIPT, tmp_path / "two.py")

@@ -5,7 +5,9 @@ A run's folder ends with two files: `classifier.safetensors` (the trained tensor
 trained from random weights) and this record, written last. It says which base model the weights go on (the path
 as given, the path relative to the run so that a run moved together with its base still works, and the Hub repo
 it came from), the model's config, the classes, how many blocks trained and which LoRA adapters are in them, the
-tokenizer, the length and dtype of training, the settings, and the run id that the weights file carries too.
+tokenizer, the length and dtype of training, the settings, whether a text has several labels (`multi_label`, with
+the `threshold` that decides each; absent in runs from before: one label per text), and the run id that the
+weights file carries too.
 
 `finetune_classifier` builds a record from plain values (`new_record`) and writes it (`write_record`); `classify`
 and `export_hf` read it (`read_run`) with every check made here, so a hand-edited, foreign or half-copied run is
