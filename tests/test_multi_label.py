@@ -257,7 +257,7 @@ def test_a_multi_label_run_trains_classifies_several_labels_and_exports_to_trans
         assert {s["label"]: s["score"] for s in row} == pytest.approx(dict(zip(names, ours_row, strict=True)), abs=1e-4)
 
 
-def test_an_older_record_without_multi_label_reads_as_one_label_per_text(small_csv, tmp_path):
+def test_an_older_record_without_multi_label_reads_as_one_label_per_text(small_csv, tmp_path, capsys):
     from .test_finetune import args_for
 
     out = tmp_path / "run"
@@ -265,6 +265,10 @@ def test_an_older_record_without_multi_label_reads_as_one_label_per_text(small_c
     record = json.loads((out / "classifier.json").read_text())
     assert "multi_label" not in record and "threshold" not in record  # a single-label run writes neither
     assert not read_run(out).multi_label and read_run(out).threshold is None
+    capsys.readouterr()
+    assert classify.main(["--checkpoint", str(out), "--threshold", "0.3", "some text"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: --threshold decides the labels of a --multi-label run") and err.count("\n") == 1
     record |= {"multi_label": True}  # multi-label without a threshold: not as a run writes it
     (out / "classifier.json").write_text(json.dumps(record))
     with pytest.raises(ValueError, match="threshold not as a finished run writes them"):
