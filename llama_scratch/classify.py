@@ -5,6 +5,9 @@ parameters from `classifier.safetensors` are put in place. Texts come from the c
 per line, or a CSV/TSV/JSONL table; with `--labels`, the table's label column is compared with the predictions
 (accuracy, per-class precision/recall/F1, confusion matrix); `--output` writes every class's probability beside
 the input's own columns (`data/scored.py`).
+
+A `--multi-label` run gives each label its own probability (a sigmoid, not a softmax over the classes) and
+predicts every label at or above the run's threshold (classifier.json's, or `--threshold`): none, one or several.
 """
 
 from __future__ import annotations
@@ -20,7 +23,7 @@ from .checkpoints.run_record import WEIGHTS_FILE, read_run
 from .checkpoints.weights import CheckpointError, copy_named_file
 from .data.batching import TokenizedSplit, forward, length_sorted_batches, to_batch
 from .data.inputs import read_inputs
-from .data.labelled import DataError
+from .data.labelled import SEPARATOR, DataError
 from .data.scored import output_fields, scored_text
 from .model.classifier import LlamaClassifier, full_precision_blocks
 from .model.config import parse_dtype
@@ -30,7 +33,7 @@ from .model.tokenizer import Tokenizer
 from .sources.devices import choose_dtype, resolve_device
 from .sources.fetch import DownloadError
 from .sources.resolve import load_model
-from .training.evaluation import per_class
+from .training.evaluation import label_set_figures, per_class
 
 SHOWN_SKIPS = 5  # skipped inputs named in the note; the rest are counted
 ECHO_CHARS = 72  # of each text, after its label: enough to tell texts apart, one line; --output holds the whole
@@ -97,17 +100,20 @@ def predict_proba(
     max_length: int | None = None,
     batch_size: int = 16,
     layout: str = "packed",
+    multi_label: bool = False,
 ) -> torch.Tensor:
     """Every class's probability per text, [texts, classes] in float32 on the CPU, in input order. Texts are cut
     to `max_length` tokens only if asked (by default, to the model's context: the training run's length limit is
-    no limit here). Batched by length; `layout` "packed" (no padding at all, packing.py) or "right"/"left"."""
+    no limit here). Batched by length; `layout` "packed" (no padding at all, packing.py) or "right"/"left".
+    `multi_label` (a --multi-label run, classifier.json's "multi_label"): each label's own probability, the
+    sigmoid of its logit, instead of a softmax over the classes."""
     device = clf.head.weight.device
     ids = [tokenizer.encode(t, bos=True)[: max_length or clf.backbone.cfg.max_seq_len] for t in texts]
     split = TokenizedSplit(ids, [0] * len(ids), pad_id=tokenizer.pad_id)
     out = torch.zeros(len(ids), clf.head.out_features)
     for rows in length_sorted_batches([len(x) for x in ids], batch_size):
         logits = forward(clf, to_batch(split, rows, layout, device))
-        out[rows] = logits.float().softmax(-1).cpu()
+        out[rows] = (logits.float().sigmoid() if multi_label else logits.float().softmax(-1)).cpu()
     return out
 
 
@@ -116,6 +122,12 @@ def predict(
 ) -> list[tuple[int, float]]:
     """(class id, probability) per text, in input order: the most probable class of `predict_proba`."""
     return best(predict_proba(clf, tokenizer, texts, max_length, batch_size))
+
+
+def above(probs: torch.Tensor, threshold: float) -> list[list[int]]:
+    """Each row's labels (class ids, in order) whose probability is at or above `threshold`: a --multi-label
+    run's prediction, none, one or several."""
+    return [[k for k, p in enumerate(row) if p >= threshold] for row in probs.tolist()]
 
 
 def best(probs: torch.Tensor) -> list[tuple[int, float]]:
@@ -133,6 +145,29 @@ def echo(text: str, width: int = ECHO_CHARS) -> str:
     would bury every other line."""
     flat = " ".join(text.split())
     return flat if len(flat) <= width else flat[: width - 1].rstrip() + "…"
+
+
+def label_set_report(truth: list[str], predicted: list[list[int]], label_names: list[str]) -> str:
+    """A --multi-label file's figures (`evaluation.label_set_figures`, as training reports them): the exact-match
+    accuracy, micro- and macro-F1 and each label's precision/recall/F1/support, as text. `truth`: each text's
+    labels SEPARATOR-joined (`inputs.known_set`)."""
+    index = {name: k for k, name in enumerate(label_names)}
+    targets = [[0] * len(label_names) for _ in truth]
+    for row, labels in zip(targets, truth, strict=True):
+        for name in filter(None, labels.split(SEPARATOR)):
+            row[index[name]] = 1
+    chosen = [[int(k in ks) for k in range(len(label_names))] for ks in predicted]
+    figures = label_set_figures(chosen, targets, 0.5, label_names)  # 0/1 "probabilities": the labels chosen
+    exact = round(figures["accuracy"] * len(truth))
+    w = max(5, *map(len, label_names))
+    lines = [
+        f"exact match {figures['accuracy']:.2%} ({exact:,} of {len(truth):,}); micro-F1 {figures['micro_f1']:.3f}, "
+        f"macro-F1 {figures['macro_f1']:.3f}",
+        f"{'label':<{w}}  precision  recall     F1  support",
+    ]
+    for name, m in figures["per_label"].items():
+        lines.append(f"{name:<{w}}  {m['precision']:9.3f}  {m['recall']:6.3f}  {m['f1']:5.3f}  {m['support']:7,}")
+    return "\n".join(lines)
 
 
 def evaluation_report(truth: list[str], predicted: list[str], label_names: list[str]) -> str:
@@ -187,7 +222,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--labels",
         action="store_true",
         help="the file also has a label column: print accuracy, per-class precision/recall/F1 and the confusion "
-        "matrix (a .txt file is then read as a tab- or comma-separated table, as in training)",
+        "matrix (a --multi-label run's: ;-separated labels, and exact match, micro/macro-F1 and each label's "
+        "figures) (a .txt file is then read as a tab- or comma-separated table, as in training)",
     )
     p.add_argument("--label-column", metavar="NAME", help="the file's label column or key (implies --labels)")
     p.add_argument(
@@ -204,10 +240,18 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         metavar="FILE",
         help="write the scores instead of printing a line per text (label, probability, the text's first "
         f"{ECHO_CHARS} characters): a table's or JSONL file's own columns, then predicted, probability and "
-        "p_<class> for each class (text, the scores and label with --labels for texts without columns); "
+        "p_<class> for each class (text, the scores and label with --labels for texts without columns; a "
+        "--multi-label run's predicted is its labels ;-joined, and it has no probability); "
         "JSON Lines for .jsonl, TSV for .tsv, else CSV",
     )
     p.add_argument("--overwrite", action="store_true", help="replace an existing --output file")
+    p.add_argument(
+        "--threshold",
+        type=float,
+        metavar="T",
+        help="a --multi-label run: predict each label whose probability is at least T, 0 < T < 1 (default: the "
+        "run's, chosen on its validation split or given by its --threshold; classifier.json)",
+    )
     p.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N")
     p.add_argument(
         "--dtype",
@@ -246,8 +290,11 @@ def run(args: argparse.Namespace) -> None:
         why = "is a directory" if args.output.is_dir() else "exists; pass --overwrite to replace it"
         raise DataError(f"--output {args.output} {why}")
     device = resolve_device(args.device)
-    names = read_run(args.checkpoint).label_names
-    inputs = read_inputs(args.texts, args.file, args.text_column, args.label_column, args.labels, names, args.header)
+    record = read_run(args.checkpoint)
+    names, multi, threshold = record.label_names, record.multi_label, run_threshold(args.threshold, record)
+    inputs = read_inputs(
+        args.texts, args.file, args.text_column, args.label_column, args.labels, names, args.header, multi
+    )
     if inputs.read_as:  # e.g. a TSV's csv-quoted fields were unquoted, as training reads them
         print(f"note: {args.file}: {inputs.read_as}", file=sys.stderr)
     if inputs.columns:  # found from the cells, not by name: never a silent guess (training logs the same words)
@@ -259,26 +306,49 @@ def run(args: argparse.Namespace) -> None:
     if not inputs.texts:
         raise DataError(f"{args.file or 'the arguments'}: no text to classify")
     if args.output:
-        output_fields(inputs, names)  # a clash of column names is refused before the model loads
+        output_fields(inputs, names, multi)  # a clash of column names is refused before the model loads
     clf, tokenizer, _ = load_classifier(args.checkpoint, device, args.dtype, args.model, args.quantize)
     max_length = args.max_length or clf.backbone.cfg.max_seq_len
     if cut := sum(len(tokenizer.encode(t, bos=True)) > max_length for t in inputs.texts):
         why = "--max-length" if args.max_length else "the model's context"
         print(f"note: {cut} text(s) longer than {max_length} tokens ({why}) were cut to that", file=sys.stderr)
-    probs = predict_proba(clf, tokenizer, inputs.texts, max_length, args.batch_size)
-    picks = best(probs)
+    probs = predict_proba(clf, tokenizer, inputs.texts, max_length, args.batch_size, multi_label=multi)
+    picks = above(probs, threshold) if multi else [k for k, _ in best(probs)]
     if args.output:
         try:
-            text = scored_text(args.output, inputs, probs.tolist(), [k for k, _ in picks], names)
-            write_text_atomic(args.output, text)
+            write_text_atomic(args.output, scored_text(args.output, inputs, probs.tolist(), picks, names))
         except OSError as e:
             raise DataError(f"cannot write --output {args.output}: {e.strerror or e}") from None
         print(f"wrote {len(inputs.texts):,} rows to {args.output}", file=sys.stderr)
     else:
-        for text, (label, prob) in zip(inputs.texts, picks, strict=True):
-            print(f"{names[label]}\t{prob:.3f}\t{echo(text)}")
-    if inputs.labels is not None:
-        print(evaluation_report(inputs.labels, [names[k] for k, _ in picks], names))
+        for text, row, pick in zip(inputs.texts, probs.tolist(), picks, strict=True):
+            print(f"{shown_labels(pick, row, names)}\t{echo(text)}")
+    if inputs.labels is not None and multi:
+        print(label_set_report(inputs.labels, picks, names))
+    elif inputs.labels is not None:
+        print(evaluation_report(inputs.labels, [names[k] for k in picks], names))
+
+
+def run_threshold(given: float | None, record) -> float | None:
+    """The threshold a --multi-label run's labels are decided by: `--threshold`, else the run's own (None for a
+    run of one label per text, which takes the most probable class: --threshold is refused there)."""
+    if given is None:
+        return record.threshold
+    if not record.multi_label:
+        raise DataError(f"--threshold decides the labels of a --multi-label run; {record.path.parent} has one a text")
+    if not 0 < given < 1:
+        raise DataError(f"--threshold must be a probability between 0 and 1 (not included), got {given:g}")
+    return given
+
+
+def shown_labels(pick: int | list[int], probs: list[float], names: list[str]) -> str:
+    """A text's prediction as printed before it: the label and its probability, tab-separated; for a
+    --multi-label run its labels and their probabilities, each SEPARATOR-joined, or `(none)` and `-`."""
+    if isinstance(pick, int):
+        return f"{names[pick]}\t{probs[pick]:.3f}"
+    if not pick:
+        return "(none)\t-"
+    return f"{SEPARATOR.join(names[k] for k in pick)}\t{SEPARATOR.join(f'{probs[k]:.3f}' for k in pick)}"
 
 
 def main(argv: list[str] | None = None) -> int:

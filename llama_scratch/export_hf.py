@@ -69,9 +69,13 @@ def check_output(out: Path, overwrite: bool) -> None:
         raise ExportError(f"--output {out} holds an earlier export: pass --overwrite to replace it")
 
 
-def hf_config(cfg: LlamaConfig, label_names: list[str], tokenizer: Tokenizer, dtype: torch.dtype) -> dict:
+def hf_config(
+    cfg: LlamaConfig, label_names: list[str], tokenizer: Tokenizer, dtype: torch.dtype, multi_label: bool = False
+) -> dict:
     """config.json: our LlamaConfig's fields, the sequence-classification architecture, the labels and the padding
-    token, whose id transformers uses to find each row's last real token."""
+    token, whose id transformers uses to find each row's last real token. `problem_type` tells transformers how
+    the logits are read (its loss, and a pipeline's scores): a softmax over the classes, or under --multi-label a
+    sigmoid per label (`multi_label_classification`), as the run trained and classify predicts."""
     names = [str(n) for n in label_names]
     dtype_name = str(dtype).removeprefix("torch.")
     config = cfg.to_hf_dict() | {
@@ -79,7 +83,7 @@ def hf_config(cfg: LlamaConfig, label_names: list[str], tokenizer: Tokenizer, dt
         "num_labels": len(names),
         "id2label": {str(i): n for i, n in enumerate(names)},
         "label2id": {n: i for i, n in enumerate(names)},
-        "problem_type": "single_label_classification",
+        "problem_type": "multi_label_classification" if multi_label else "single_label_classification",
         "pad_token_id": tokenizer.pad_id,
         "eos_token_id": tokenizer.eos_id,
         "torch_dtype": dtype_name,  # transformers < 5 reads this name,
@@ -120,7 +124,8 @@ def export(
     vocab = tokenizer_file(record.tokenizer, base)
     tokenizer = Tokenizer.for_checkpoint(vocab)
     texts = tokenizer_files(vocab, tokenizer, cfg.max_seq_len)
-    texts["config.json"] = json.dumps(hf_config(cfg, record.label_names, tokenizer, torch_dtype), indent=2) + "\n"
+    config = hf_config(cfg, record.label_names, tokenizer, torch_dtype, record.multi_label)
+    texts["config.json"] = json.dumps(config, indent=2) + "\n"
     texts["README.md"] = model_card(record, read_metrics(run), torch_dtype, command or f"export of {run}")
 
     def build(tmp: Path) -> None:

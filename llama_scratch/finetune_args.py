@@ -9,10 +9,10 @@ from pathlib import Path
 
 import torch
 
-from .data.labelled import DataError, LabelledTexts, load_dataset
+from .data.labelled import SEPARATOR, DataError, LabelledTexts, load_dataset
 from .data.splitting import default_protocol, split_with_files
 from .model.lora import TARGETS, LoRASettings
-from .training.evaluation import SELECT_BY
+from .training.evaluation import SELECT_BY, THRESHOLDS
 from .training.loop import TrainSettings
 
 
@@ -61,6 +61,21 @@ def build_parser() -> argparse.ArgumentParser:
             f"--data's, and --data's rows that --split would have made {what} train instead (default: cut from "
             "--data by --split)",
         )
+    g.add_argument(
+        "--multi-label",
+        action="store_true",
+        help=f"each text has zero or more labels, separated by {SEPARATOR!r} in the label column (sports"
+        f"{SEPARATOR}politics; an empty cell: none): one sigmoid and binary cross-entropy per label, and a "
+        "threshold deciding each label (default: one label per text)",
+    )
+    g.add_argument(
+        "--threshold",
+        type=float,
+        metavar="T",
+        help="with --multi-label: predict a label when its probability is at least T, 0 < T < 1 (default: the "
+        f"threshold among {THRESHOLDS[0]:g}, {THRESHOLDS[1]:g}, ..., {THRESHOLDS[-1]:g} with the best validation "
+        "micro-F1, the nearest to 0.5 of equals)",
+    )
     g.add_argument(
         "--max-length",
         type=int,
@@ -178,7 +193,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--class-weights",
         choices=["none", "balanced"],
         default="none",
-        help="balanced: weigh each class's loss by how rare it is, for imbalanced labels (default: none)",
+        help="balanced: weigh each class's loss by how rare it is, for imbalanced labels (--multi-label: each "
+        "label's positive rows by its negatives / positives) (default: none)",
     )
     g.add_argument("--seed", type=int, default=d.seed, help=f"(default: {d.seed})")
     g = p.add_argument_group("memory")
@@ -318,6 +334,7 @@ CHANGEABLE_ON_RESUME = frozenset(
         "nodes",
         "gpu_memory",
         "tensorboard",
+        "threshold",  # chosen after training: a resumed run may fix another
     }
 )
 _NOT_RECORDED = ("output", "resume", "overwrite", "given")  # this invocation's, not the run's
@@ -411,12 +428,24 @@ def split_files(args: argparse.Namespace, data: LabelledTexts, parts: dict[str, 
 def read_data(args: argparse.Namespace, log) -> tuple[LabelledTexts, dict[str, LabelledTexts], str | None]:
     """The labelled texts and their train/val/test split: cut from --data, or read from --val-data/--test-data
     (the protocol None when both are: nothing is cut)."""
+    check_threshold(args)
     columns = {"text_column": args.text_column, "label_column": args.label_column, "header": args.header}
-    data = load_dataset(args.data, **columns, split=args.data_split)
+    data = load_dataset(args.data, **columns, split=args.data_split, multi_label=args.multi_label)
     log(data.describe())
     protocol = split_protocol(args)
     parts = split_with_files(data, protocol, args.seed, held_out_files(args), columns, log)
     return data, parts, protocol
+
+
+def check_threshold(args: argparse.Namespace) -> None:
+    """--threshold decides each label of --multi-label, a probability strictly between 0 and 1 (at 0 or 1 every
+    label, or none, would be predicted whatever the text); one label per text is the most probable class."""
+    if args.threshold is None:
+        return
+    if not args.multi_label:
+        raise ValueError("--threshold decides each label of --multi-label; one label per text takes the likeliest")
+    if not 0 < args.threshold < 1:
+        raise ValueError(f"--threshold must be a probability between 0 and 1 (not included), got {args.threshold:g}")
 
 
 def refuse_float16(dtype: torch.dtype, what: str) -> torch.dtype:

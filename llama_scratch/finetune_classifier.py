@@ -50,7 +50,7 @@ from .sources.resolve import (
     trains_from_scratch,
 )
 from .training.board import open_board
-from .training.evaluation import evaluate, kept_row, per_class, warn_if_one_class
+from .training.evaluation import evaluate, final_figures, final_line, kept_row, warn_if_one_class
 from .training.interrupts import sigterm_as_ctrl_c
 from .training.loop import (
     RESUME_DIR,
@@ -77,7 +77,7 @@ from .training.run_dir import (
 
 
 def train_settings(
-    args: argparse.Namespace, from_scratch: bool, train_labels: list[int], num_classes: int, processes: Processes, log
+    args: argparse.Namespace, from_scratch: bool, train_labels: list, num_classes: int, processes: Processes, log
 ) -> TrainSettings:
     """The training settings from the flags, with what depends on the data: weights that start from nothing
     (LoRA adapters, a model from scratch) learn at a higher rate than a pretrained model,
@@ -231,7 +231,7 @@ def tokenize(
     truncated = sum(len(x) > max_length for rows in ids.values() for x in rows)
     log(f"max length {max_length} tokens; {truncated:,} texts truncated")
     return {
-        k: TokenizedSplit([x[:max_length] for x in ids[k]], parts[k].labels, pad_id=tokenizer.pad_id) for k in parts
+        k: TokenizedSplit([x[:max_length] for x in ids[k]], parts[k].targets(), pad_id=tokenizer.pad_id) for k in parts
     }, max_length
 
 
@@ -270,7 +270,7 @@ def prepare(args: argparse.Namespace, progress: Progress) -> tuple[Job, TrainSet
     job = Job(args, strategy, started, data, parts, protocol, choice, out)
     job.board = open_board(args.tensorboard, strategy.is_main)  # a missing package: refused before anything is written
     settings = train_settings(
-        args, choice.from_scratch, parts["train"].labels, data.num_classes, strategy.processes, log
+        args, choice.from_scratch, parts["train"].targets(), data.num_classes, strategy.processes, log
     )
     if args.resume:
         check_resume_point(job, settings)  # another run's point is refused before minutes of loading and caching
@@ -328,14 +328,11 @@ def run(args: argparse.Namespace, progress: Progress | None = None) -> dict:
     run_id = strategy.on_main(new_run_id)
     progress.phase = "writing the results"
     save(out / WEIGHTS_FILE, {"run_id": run_id})  # every process: a sharded model is gathered tensor by tensor
-    meta = functools.partial(classifier_meta, job, clf, tokenizer_ref, max_length, settings)
+    meta = functools.partial(classifier_meta, job, clf, tokenizer_ref, max_length, settings, metrics.get("threshold"))
     strategy.on_main(lambda: write_results(out, run_id, metrics, meta(), state.history))  # rank 0 writes
     warn_if_one_class(metrics["val_accuracy"], parts["val"].labels, log)
-    log(
-        f"test accuracy {metrics['test_accuracy']:.2%} (val {metrics['val_accuracy']:.2%}, train "
-        f"{metrics['train_accuracy']:.2%}; epoch {metrics['best_epoch']}'s weights); {metrics['seconds']:.0f} s. "
-        f"Results in {out}/"
-    )
+    weights = f"epoch {metrics['best_epoch']}'s weights"
+    log(f"{final_line(metrics)}; {weights}); {metrics['seconds']:.0f} s. Results in {out}/")
     return metrics
 
 
@@ -355,9 +352,10 @@ def check_resume_point(job: Job, settings: TrainSettings) -> None:
 
 
 def classifier_meta(
-    job: Job, clf: LlamaClassifier, tokenizer_ref: str, max_length: int, settings: TrainSettings
+    job: Job, clf: LlamaClassifier, tokenizer_ref: str, max_length: int, settings: TrainSettings, threshold=None
 ) -> RunRecord:
-    """The run record (classifier.json): what `classify` needs to rebuild the classifier, and how it was trained."""
+    """The run record (classifier.json): what `classify` needs to rebuild the classifier, and how it was trained
+    (under --multi-label, with the threshold that decides each label)."""
     choice = job.choice
     return new_record(
         model_ref=choice.ref,
@@ -375,6 +373,8 @@ def classifier_meta(
         max_length=max_length,
         dtype=choice.dtype,
         settings=settings,
+        multi_label=job.data.multi_label,
+        threshold=threshold,
     )
 
 
@@ -390,6 +390,7 @@ def run_identity(job: Job, max_length: int) -> dict:
         "header": args.header,
         "label_names": data.label_names,
         "num_classes": data.num_classes,
+        "multi_label": data.multi_label,
         "split": job.protocol,
         **held_out_identity(args, job.parts),  # None where cut from --data, as in points from before these flags
         "max_length": max_length,
@@ -415,7 +416,8 @@ def save_classifier(
 def final_metrics(
     job: Job, model, clf: LlamaClassifier, splits: dict[str, TokenizedSplit], settings: TrainSettings, state
 ) -> dict:
-    """Every split evaluated with the best weights (by validation accuracy), and the run's figures."""
+    """Every split evaluated with the best weights (by `--select-by`), and the run's figures (under --multi-label
+    at the threshold --threshold gives or the validation split chooses: `final_figures`)."""
     best, strategy = job.out / BEST_FILE, job.strategy
     if strategy.on_main(lambda: not best.exists()):  # no epoch ended here (resumed after the last one)
         save_classifier(clf, job.choice.from_scratch, strategy, best)
@@ -423,7 +425,7 @@ def final_metrics(
     saved = dict(clf.named_parameters()) if job.choice.from_scratch else clf.trainable_parameters()
     strategy.load_trained(clf, saved, best)
     data, choice = job.data, job.choice
-    two = data.num_classes == 2  # ROC AUC: the second class's probability ranked, for the test split
+    two = data.num_classes == 2 and not data.multi_label  # ROC AUC: the second class's probability ranked, for test
     results = {
         k: evaluate(model, splits[k], settings, strategy, f"final {k}", two and k == "test")
         for k in ("train", "val", "test")
@@ -436,12 +438,8 @@ def final_metrics(
         "split_files": split_files(job.args, job.data, job.parts),
         "num_classes": data.num_classes,
         "label_names": data.label_names,
-        **{f"{k}_accuracy": r["accuracy"] for k, r in results.items()},
-        **{f"{k}_loss": r["loss"] for k, r in results.items()},
-        **{f"{k}_macro_f1": r["macro_f1"] for k, r in results.items()},
-        **({"test_roc_auc": results["test"]["roc_auc"]} if two else {}),
-        "test_per_class": per_class(results["test"]["confusion"], data.label_names),
-        "test_confusion": results["test"]["confusion"],
+        "multi_label": data.multi_label,
+        **final_figures(results, data.label_names, job.args.threshold),
         "best_epoch": state.best_epoch,
         "best_step": state.best_step,
         "select_by": settings.select_by,

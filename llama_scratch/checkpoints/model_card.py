@@ -17,7 +17,7 @@ def model_card(record: RunRecord, metrics: dict, dtype: torch.dtype, command: st
     parts = [
         front_matter(record),
         f"# {title(record, metrics)}\n\n{summary(record, metrics)}",
-        usage(),
+        usage(record),
         labels(record),
         results(metrics),
         training(record, metrics, dtype),
@@ -48,7 +48,8 @@ def data_name(metrics: dict) -> str | None:
 
 def title(record: RunRecord, metrics: dict) -> str:
     data = data_name(metrics)
-    return f"Text classifier ({len(record.label_names)} classes{f', {data}' if data else ''})"
+    kind, classes = ("Multi-label text classifier", "labels") if record.multi_label else ("Text classifier", "classes")
+    return f"{kind} ({len(record.label_names)} {classes}{f', {data}' if data else ''})"
 
 
 def summary(record: RunRecord, metrics: dict) -> str:
@@ -62,13 +63,33 @@ def summary(record: RunRecord, metrics: dict) -> str:
         split = metrics.get("split", "?")
         cut = "validation and test files of its own" if split is None else f"split `{split}`"
         lines.append(f"Data: `{data}`, {cut} ({sizes} texts).")
-    if "test_accuracy" in metrics:
+    if record.multi_label:
+        lines.append(
+            f"Multi-label: each label has its own probability (a sigmoid of its logit; `problem_type` "
+            f"`multi_label_classification`), and a text has every label whose probability is at least "
+            f"{record.threshold:g} (chosen on {metrics.get('threshold_chosen_on', 'validation')})."
+        )
+        if "test_micro_f1" in metrics:
+            lines.append(
+                f"Test micro-F1 {metrics['test_micro_f1']:.4f}, macro-F1 {metrics['test_macro_f1']:.4f}, exact "
+                f"match {metrics['test_accuracy']:.2%}."
+            )
+    elif "test_accuracy" in metrics:
         lines.append(f"Test accuracy: {metrics['test_accuracy']:.2%}.")
     return " ".join(lines)
 
 
-def usage() -> str:
-    return """## Use
+def usage(record: RunRecord) -> str:
+    text = _USAGE
+    if record.multi_label:
+        text += (
+            "\n\nEvery label has its own probability: ask the pipeline for all of them (`top_k=None`; it applies the "
+            f"sigmoid that `problem_type` names) and keep those at or above {record.threshold:g}, the run's threshold."
+        )
+    return text
+
+
+_USAGE = """## Use
 
 ```python
 from transformers import pipeline
@@ -89,17 +110,28 @@ def labels(record: RunRecord) -> str:
 
 
 def results(metrics: dict) -> str:
-    """Accuracy and loss per split, and the test split per class, from metrics.json."""
+    """Accuracy and loss per split, and the test split per class, from metrics.json (a --multi-label run's:
+    exact-match accuracy, micro-F1 and loss at its threshold, and the test split per label)."""
     if not metrics:
         return "## Results\n\nThe run has no metrics.json."
+    multi = "threshold" in metrics
     rows = [
-        f"| {k} | {metrics[f'{k}_accuracy']:.2%} | {metrics[f'{k}_loss']:.4f} |"
+        f"| {k} | {metrics[f'{k}_accuracy']:.2%} | "
+        + (f"{metrics[f'{k}_micro_f1']:.4f} | " if multi else "")
+        + f"{metrics[f'{k}_loss']:.4f} |"
         for k in ("train", "val", "test")
         if f"{k}_accuracy" in metrics
     ]
-    text = "## Results\n\n| split | accuracy | loss |\n| --- | --- | --- |\n" + "\n".join(rows)
+    head = (
+        "| split | exact match | micro-F1 | loss |\n| --- | --- | --- | --- |"
+        if multi
+        else ("| split | accuracy | loss |\n| --- | --- | --- |")
+    )
+    text = f"## Results\n\n{head}\n" + "\n".join(rows)
     if per_class := metrics.get("test_per_class"):
-        text += "\n\nTest split per class:\n\n| label | precision | recall | F1 | support |\n"
+        text += (
+            f"\n\nTest split per {'label' if multi else 'class'}:\n\n| label | precision | recall | F1 | support |\n"
+        )
         text += "| --- | --- | --- | --- | --- |\n"
         text += "\n".join(
             f"| {name} | {m['precision']:.3f} | {m['recall']:.3f} | {m['f1']:.3f} | {m['support']:,} |"

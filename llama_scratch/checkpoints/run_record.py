@@ -5,7 +5,9 @@ A run's folder ends with two files: `classifier.safetensors` (the trained tensor
 trained from random weights) and this record, written last. It says which base model the weights go on (the path
 as given, the path relative to the run so that a run moved together with its base still works, and the Hub repo
 it came from), the model's config, the classes, how many blocks trained and which LoRA adapters are in them, the
-tokenizer, the length and dtype of training, the settings, and the run id that the weights file carries too.
+tokenizer, the length and dtype of training, the settings, whether a text has several labels (`multi_label`, with
+the `threshold` that decides each; absent in runs from before: one label per text), and the run id that the
+weights file carries too.
 
 `finetune_classifier` builds a record from plain values (`new_record`) and writes it (`write_record`); `classify`
 and `export_hf` read it (`read_run`) with every check made here, so a hand-edited, foreign or half-copied run is
@@ -139,6 +141,8 @@ class RunRecord:
     run_id: str | None = None  # the weights file's metadata holds the same
     quantize: str | None = None  # "nf4" or "int8": the frozen base weights were held quantized (absent: off)
     data: dict | None = None  # per split, the file it came from and a digest of what was read (absent: older runs)
+    multi_label: bool = False  # --multi-label: a sigmoid per label (absent: older runs, one label per text)
+    threshold: float | None = None  # --multi-label: a label is predicted at this probability or above
     path: Path | None = field(default=None, compare=False)
 
     def model_config(self) -> LlamaConfig:
@@ -160,7 +164,8 @@ class RunRecord:
             "dtype": self.dtype,
         }
         later = {"quantize": self.quantize, "data": self.data, "settings": self.settings, "run_id": self.run_id}
-        return record | {k: v for k, v in later.items() if v is not None}
+        labels = {"multi_label": True, "threshold": self.threshold} if self.multi_label else {}
+        return record | {k: v for k, v in later.items() if v is not None} | labels
 
     def find_base(self, override: str | Path | None) -> str:
         """The base checkpoint: `--model` if given; else as recorded, relative to the run (a run moved together with
@@ -211,6 +216,8 @@ def new_record(
     settings: object,
     quantize: str | None = None,
     data: dict | None = None,
+    multi_label: bool = False,
+    threshold: float | None = None,
 ) -> RunRecord:
     """The record of a run writing its results into `out` (the run id is added when they are written). `settings`
     is the dataclass the run trained with (TrainSettings), recorded field by field."""
@@ -228,6 +235,8 @@ def new_record(
         settings=dataclasses.asdict(settings),
         quantize=quantize,
         data=data,
+        multi_label=multi_label,
+        threshold=threshold,
     )
 
 
@@ -279,6 +288,7 @@ def read_record(record_path: Path, weights_path: Path) -> RunRecord:
             f"{meta.get('run_id')} and {weights_run}); train again into a new --output"
         )
     keys = (*REQUIRED_KEYS, "base_model_relative", "base_model_repo", "settings", "run_id", "quantize", "data")
+    keys += ("multi_label", "threshold")
     lora = RecordedLoRA.from_json(meta.get("lora"), record_path)
     return RunRecord(**{k: meta[k] for k in keys if k in meta}, lora=lora, path=record_path)
 
@@ -308,4 +318,10 @@ def wrong_types(meta: dict) -> list[str]:
     wrong += [k for k, kind in optional.items() if meta.get(k) is not None and not isinstance(meta[k], kind)]
     if meta.get("quantize") not in (None, *QUANTIZE_KINDS):
         wrong.append("quantize")
+    if type(meta.get("multi_label", False)) is not bool:
+        wrong.append("multi_label")
+    elif meta.get("multi_label") and not (type(meta.get("threshold")) is float and 0 < meta["threshold"] < 1):
+        wrong.append("threshold")  # a multi-label run's labels are decided by it: a number between 0 and 1
+    elif not meta.get("multi_label") and meta.get("threshold") is not None:
+        wrong.append("threshold")
     return wrong

@@ -51,7 +51,8 @@ def default_max_length(token_lists: Sequence[Sequence[int]], model_max: int) -> 
 def collate(
     batch: Sequence[tuple[Sequence[int], int]], pad_id: int, padding_side: str = "right"
 ) -> dict[str, torch.Tensor]:
-    """Pad to the batch's longest row: `input_ids` [B, T], `attention_mask` [B, T] (1 = real), `labels` [B].
+    """Pad to the batch's longest row: `input_ids` [B, T], `attention_mask` [B, T] (1 = real), `labels` [B] (or
+    [B, classes] for multi-hot rows).
 
     `pad_id` must be a real token id (the embedding still looks padded positions up; the mask hides them).
     """
@@ -86,9 +87,14 @@ class TokenizedSplit:
     output. (`splitting.split_dataset` cuts the labelled texts into splits; `--split` names how.)"""
 
     ids: list[list[int]]
-    labels: list[int]
+    labels: list[int] | list[list[int]]  # class ids, or (--multi-label) multi-hot rows: `LabelledTexts.targets`
     states: list[torch.Tensor] | None = None  # see prefix_cache: then the model runs only its trained blocks
     pad_id: int = 0  # the token that fills padded positions (masked out or after the text: any valid id works)
+
+    @property
+    def multi_hot(self) -> bool:
+        """Whether the labels are multi-hot rows (--multi-label): a batch's `labels` is then [B, classes]."""
+        return bool(self.labels) and isinstance(self.labels[0], list)
 
 
 def pad_states(states: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:

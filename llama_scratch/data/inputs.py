@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from .formats import UNDECODABLE, decode, jsonl_objects, table_rows
-from .labelled import MAX_LABEL_DIGITS, DataError, TableColumns, find_columns, json_keys
+from .labelled import MAX_LABEL_DIGITS, SEPARATOR, DataError, TableColumns, find_columns, json_keys
 
 INTEGER = re.compile(r"[+-]?\d+")
 
@@ -38,7 +38,7 @@ class Inputs:
     how the file's quotes were read, when that needs saying (as training's log does)."""
 
     texts: list[str] = field(default_factory=list)
-    labels: list[str] | None = None
+    labels: list[str] | None = None  # --multi-label runs: the run's names of a text's labels, SEPARATOR-joined
     skipped: list[str] = field(default_factory=list)
     read_as: str = ""
     columns: str = ""  # the table's columns, when told from its cells rather than by name: worth saying
@@ -73,9 +73,12 @@ def read_inputs(
     labels: bool,
     label_names: list[str],
     header: bool | None = None,
+    multi_label: bool = False,
 ) -> Inputs:
     """The texts of the command line, then of `file`; with `labels`, each text's label as a name of the run.
-    `header` False: a table's first row is data (--no-header); None: told from the table, as in training."""
+    `header` False: a table's first row is data (--no-header); None: told from the table, as in training.
+    `multi_label` (a --multi-label run): a label cell holds zero or more labels, SEPARATOR-joined (an empty cell:
+    none), each checked; kept as the run's names joined in the run's order."""
     rows: list[Row] = [(f"argument {i}", text, None, None) for i, text in enumerate(texts, start=1)]
     inputs = Inputs(labels=[] if labels else None)
     if file:
@@ -90,6 +93,10 @@ def read_inputs(
             inputs.skipped.append(f"{where}: empty text")
         elif inputs.labels is None:
             inputs.texts.append(text)
+            inputs.records.append(record)
+        elif multi_label:
+            inputs.texts.append(text)
+            inputs.labels.append(known_set(label or "", label_names, where))
             inputs.records.append(record)
         elif not label or not label.strip():
             inputs.skipped.append(f"{where}: missing label")
@@ -113,9 +120,25 @@ def known_label(value: str, label_names: list[str]) -> str | None:
     return None
 
 
+def known_set(value: str, label_names: list[str], where: str) -> str:
+    """A --multi-label cell as the run's names, SEPARATOR-joined in the run's order ("" for none of them); a
+    label the run lacks is refused by name."""
+    names = set()
+    for part in filter(None, (p.strip() for p in value.split(SEPARATOR))):
+        if (name := known_label(part, label_names)) is None:
+            known = ", ".join(label_names)
+            raise DataError(f"{where}: label {part!r} is not one of this classifier's labels ({known})")
+        names.add(name)
+    return SEPARATOR.join(name for name in label_names if name in names)
+
+
 def run_label(label_names: list[str]) -> Callable[[str], bool]:
-    """Whether a cell is one of the run's labels (as `known_label` reads it): what classify tells the column finder."""
-    return lambda value: known_label(value, label_names) is not None
+    """Whether a cell is one of the run's labels (as `known_label` reads it), or several of them SEPARATOR-joined
+    (a --multi-label run's): what classify tells the column finder."""
+    return lambda value: (
+        known_label(value, label_names) is not None
+        or all(known_label(part, label_names) is not None for part in value.split(SEPARATOR))
+    )
 
 
 def read_file(

@@ -42,6 +42,7 @@ _INTEGER = re.compile(r"[+-]?\d+")
 MAX_CLASSES = 1000  # more is a wrong label column, not a task; evaluation keeps a classes x classes confusion matrix
 MAX_LABEL_DIGITS = 18  # any such integer fits in 64 bits
 FEW_CLASSES = 10  # up to this many classes a tiny file may have one row each; beyond, at least two rows per class
+SEPARATOR = ";"  # between the labels of one text under --multi-label (`sports;politics`)
 
 
 class DataWarning(UserWarning):
@@ -58,24 +59,39 @@ class BadRow:
 class LabelledTexts:
     """Texts with integer class ids; `label_names[i]` names class i.
 
+    `multi_label` (--multi-label): each text has zero or more of the labels, and `labels[k]` is the sorted tuple of
+    its class ids (an empty tuple: none of them); otherwise `labels[k]` is the one class id of text k.
+
     `rows[k]` is the 1-based line of `texts[k]` in the source file, so a prediction can be traced back to the file
     and disjointness of splits can be checked even when texts repeat. `skipped` lists the rows that were not usable
     (splits carry an empty list: the skips belong to the file, not to a split).
     """
 
     texts: list[str]
-    labels: list[int]
+    labels: list[int] | list[tuple[int, ...]]
     label_names: list[str]
     source: str
     rows: list[int] = field(default_factory=list)
     skipped: list[BadRow] = field(default_factory=list)
     columns: str = ""  # where the texts and labels came from, e.g. "text 'review', label 'stars' (header row)"
+    multi_label: bool = False
 
     def __post_init__(self) -> None:
         if len(self.texts) != len(self.labels) or (self.rows and len(self.rows) != len(self.texts)):
             raise ValueError(f"{self.source}: texts, labels and rows differ in length")
-        if any(not 0 <= y < len(self.label_names) for y in self.labels):
+        if any(not 0 <= y < len(self.label_names) for ys in self.label_sets() for y in ys):
             raise ValueError(f"{self.source}: a label is outside 0..{len(self.label_names) - 1}")
+
+    def label_sets(self) -> list[tuple[int, ...]]:
+        """Each text's class ids as a tuple, in either mode (one id each without --multi-label)."""
+        return list(self.labels) if self.multi_label else [(y,) for y in self.labels]
+
+    def targets(self) -> list[int] | list[list[int]]:
+        """What the loss compares the logits with: the class ids, or under --multi-label a multi-hot row per text
+        (1 for each of its labels, 0 for the others: [texts, classes] once a batch makes it a tensor)."""
+        if not self.multi_label:
+            return list(self.labels)
+        return [[int(k in ys) for k in range(self.num_classes)] for ys in self.labels]
 
     def __len__(self) -> int:
         return len(self.texts)
@@ -85,7 +101,8 @@ class LabelledTexts:
         return len(self.label_names)
 
     def class_counts(self) -> dict[str, int]:
-        counts = Counter(self.labels)
+        """Rows of each class; under --multi-label, the rows carrying each label (a row may count for several)."""
+        counts = Counter(y for ys in self.label_sets() for y in ys)
         return {name: counts[i] for i, name in enumerate(self.label_names)}
 
     def subset(self, indices: Iterable[int]) -> LabelledTexts:
@@ -96,14 +113,21 @@ class LabelledTexts:
             label_names=list(self.label_names),
             source=self.source,
             rows=[self.rows[i] for i in idx] if self.rows else [],
+            multi_label=self.multi_label,
         )
 
     def describe(self) -> str:
         """One line for logs, e.g. `sms_spam: 5,574 rows; ham 4,827, spam 747; 0 bad rows skipped`.
 
         A user's file adds the columns read, e.g. `; text 'review', label 'stars' (header row)`: they were guessed.
+        Under --multi-label the counts are rows carrying each label, and the rows with none are counted too;
+        without it, labels that mostly hold the separator get a hint that several labels per text were meant.
         """
         classes = ", ".join(f"{name} {n:,}" for name, n in self.class_counts().items())
+        if self.multi_label:
+            classes = f"multi-label: {classes}; {sum(not ys for ys in self.labels):,} with none"
+        elif 2 * sum(SEPARATOR in self.label_names[y] for y in self.labels) > len(self):
+            classes += f" (most labels hold {SEPARATOR!r}: several labels per text? --multi-label)"
         columns = f"; {self.columns}" if self.columns else ""
         return f"{self.source}: {len(self):,} rows; {classes}; {len(self.skipped):,} bad rows skipped{columns}"
 
@@ -155,6 +179,7 @@ def load_dataset(
     header: bool | None = None,
     split: str = "train",
     held_out: bool = False,
+    multi_label: bool = False,
 ) -> LabelledTexts:
     """A bundled dataset by name (`sms_spam`), a `.csv`, `.tsv`, `.txt`, `.jsonl` or `.parquet` file, or the `split`
     of a Hugging Face dataset repository `owner/name` (fetched once into the Hugging Face cache; see `hub_data`).
@@ -178,6 +203,10 @@ def load_dataset(
 
     `held_out`: a validation or test file, whose labels the training data's vouch for (`splitting.read_held_out`):
     one class, or few rows per class, is then no sign of a wrong label column, and is not refused.
+
+    `multi_label` (--multi-label): a label cell holds zero or more labels separated by `;` (`sports;politics`,
+    whitespace around each ignored); an empty cell means none of them rather than a missing label. The classes
+    are the distinct single labels. A file of one label per row reads the same way, each row one label.
     """
     if str(name_or_path) == "sms_spam":
         return load_sms_spam()
@@ -186,7 +215,7 @@ def load_dataset(
         files = dataset_files(str(name_or_path), split)
         if files[0].suffix.lower() == ".parquet":
             items, skipped, columns = _read_parquet(files, text_column, label_column)
-            return _build(items, skipped, f"{name_or_path} ({split})", columns, held_out)
+            return _build(items, skipped, f"{name_or_path} ({split})", columns, held_out, multi_label)
         path = files[0]
     if not path.is_file():
         what = "a directory, not a file" if path.is_dir() else "no such file"
@@ -196,14 +225,15 @@ def load_dataset(
         raise DataError(f"{path}: unsupported file type {suffix!r}; use .csv, .tsv, .txt, .jsonl or .parquet")
     if suffix == ".parquet":
         items, skipped, columns = _read_parquet([path], text_column, label_column)
-        return _build(items, skipped, path, columns, held_out)
+        return _build(items, skipped, path, columns, held_out, multi_label)
     text = decode(path.read_bytes(), path)
     if suffix == ".jsonl":
         items, skipped, columns = _read_jsonl(text, path, text_column, label_column)
-        return _build(items, skipped, path, columns, held_out)
+        return _build(items, skipped, path, columns, held_out, multi_label)
     table, quotes = table_rows(text, path)
     items, skipped, columns = _read_table(table, path, text_column, label_column, header)
-    return _build(items, skipped, path, f"{columns}; {quotes}" if quotes else columns, held_out)
+    columns = f"{columns}; {quotes}" if quotes else columns
+    return _build(items, skipped, path, columns, held_out, multi_label)
 
 
 def _read_table(
@@ -394,9 +424,7 @@ def _check_item(line: int, text: str, label: str, items: list, skipped: list[Bad
         skipped.append(BadRow(line, "undecodable bytes (not UTF-8)"))
     elif not text.strip():
         skipped.append(BadRow(line, "empty text"))
-    elif not label:
-        skipped.append(BadRow(line, "missing label"))
-    else:
+    else:  # an empty label is "none of the labels" under --multi-label, else a bad row (`_build` decides)
         items.append((line, text, label))
 
 
@@ -420,9 +448,14 @@ def _check_class_count(names: list[str], rows: int, path: Path) -> None:
     else:
         return
     shown = ", ".join(repr(name[:30]) for name in names[:3])
+    hint = (
+        f" (most labels hold {SEPARATOR!r}: several labels per text? --multi-label)"
+        if 2 * sum(SEPARATOR in name for name in names) > len(names)
+        else ""
+    )
     raise DataError(
         f"{path}: {len(names):,} distinct labels in {rows:,} rows ({shown}, ...), {why}; "
-        "wrong label column? (--label-column)"
+        f"wrong label column? (--label-column){hint}"
     )
 
 
@@ -432,31 +465,59 @@ def _build(
     path: Path | str,
     columns: str = "",
     held_out: bool = False,
+    multi_label: bool = False,
 ) -> LabelledTexts:
     """Number the classes, refuse data that cannot train a classifier (unless `held_out`: it only evaluates one),
-    and warn about skipped rows."""
+    and warn about skipped rows. `multi_label`: each label cell holds zero or more labels separated by SEPARATOR
+    (an empty cell: none of them); the classes are the distinct single labels."""
+    if not multi_label and (missing := [BadRow(line, "missing label") for line, _, label in items if not label]):
+        items = [item for item in items if item[2]]
+        skipped = sorted(skipped + missing, key=lambda bad: bad.line)
     data = LabelledTexts([], [], [], source=str(path), skipped=skipped)
     if not items:
         raise DataError(f"{path}: no usable rows" + (f"; skipped {data.skipped_report()}" if skipped else ""))
-    _check_label_digits(items, path)
-    integers = all(_INTEGER.fullmatch(label) for _, _, label in items)
+    cells = [_label_set(label) if multi_label else (label,) for _, _, label in items]
+    singles = [(line, "", label) for (line, _, _), labels in zip(items, cells, strict=True) for label in labels]
+    _check_label_digits(singles, path)
+    integers = all(_INTEGER.fullmatch(label) for _, _, label in singles)
     if integers:  # "1", "01" and "+1" are one class; names sort numerically so 2 < 10
-        items = [(line, text, str(int(label))) for line, text, label in items]
-    names = sorted({label for _, _, label in items}, key=int if integers else None)
-    if len(names) < 2 and not held_out:
-        raise DataError(f"{path}: only one class ({names[0]!r}) in {len(items):,} rows; a classifier needs two")
+        cells = [tuple(dict.fromkeys(str(int(label)) for label in labels)) for labels in cells]
+    names = sorted({label for labels in cells for label in labels}, key=int if integers else None)
     if not held_out:
-        _check_class_count(names, len(items), path)
+        _check_classes(names, cells, path, multi_label)
     index = {name: i for i, name in enumerate(names)}
+    ids = [tuple(sorted(index[label] for label in labels)) for labels in cells]
     data = LabelledTexts(
         texts=[text for _, text, _ in items],
-        labels=[index[label] for _, _, label in items],
+        labels=ids if multi_label else [y for (y,) in ids],
         label_names=names,
         source=str(path),
         rows=[line for line, _, _ in items],
         skipped=skipped,
         columns=columns,
+        multi_label=multi_label,
     )
     if skipped:
         warnings.warn(f"{path}: skipped {len(skipped):,} bad rows: {data.skipped_report()}", DataWarning, 3)
     return data
+
+
+def _label_set(cell: str) -> tuple[str, ...]:
+    """The labels of one --multi-label cell: split on SEPARATOR, each stripped, empty pieces and repeats dropped."""
+    return tuple(dict.fromkeys(part.strip() for part in cell.split(SEPARATOR) if part.strip()))
+
+
+def _check_classes(names: list[str], cells: list[tuple[str, ...]], path: Path | str, multi_label: bool) -> None:
+    """Refuse training data no classifier can learn from: one class (one label, under --multi-label: each output
+    would have nothing to tell apart), or a label column that is really a text or id column (`_check_class_count`;
+    under --multi-label also a column where every row holds a set of labels of its own)."""
+    if len(names) < 2:
+        what = "a multi-label classifier needs at least two labels" if multi_label else "a classifier needs two"
+        one = f"only one {'label' if multi_label else 'class'} ({names[0]!r})" if names else "no label at all"
+        raise DataError(f"{path}: {one} in {len(cells):,} rows; {what}")
+    _check_class_count(names, len(cells), path)
+    if multi_label and len(cells) >= 2 * FEW_CLASSES and len(set(map(frozenset, cells))) == len(cells):
+        raise DataError(
+            f"{path}: every one of the {len(cells):,} rows has a set of labels of its own; wrong label column? "
+            "(--label-column)"
+        )

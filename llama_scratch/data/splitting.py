@@ -86,16 +86,21 @@ def split_dataset(
         return {"train": data.subset(range(len(data)))}
     if protocol not in PROTOCOLS:
         raise ValueError(f"unknown split protocol {protocol!r}; choose one of: {', '.join(PROTOCOLS)}")
+    if data.multi_label and protocol in ("book", "dedup"):  # a text of several labels is in several classes
+        raise DataError(
+            f"--split {protocol} undersamples each class to the smallest, and under --multi-label a text has "
+            "several classes; use --split stratified (each set of labels kept in proportion) or full"
+        )
     rng = np.random.default_rng(seed)
-    labels = np.asarray(data.labels)
+    labels, kinds = strata(data)
     index = np.asarray(first_occurrences(data) if protocol == "dedup" else range(len(data)), dtype=np.int64)
     if protocol in ("book", "dedup"):
-        members = [index[labels[index] == c] for c in range(data.num_classes)]
+        members = [index[labels[index] == c] for c in range(kinds)]
         smallest = min(len(m) for m in members)
         index = rng.permutation(np.concatenate([rng.choice(m, smallest, replace=False) for m in members]))
     elif protocol == "stratified":  # order rows by their position within their (shuffled) class, then cut
         position = np.empty(len(index))
-        for c in range(data.num_classes):
+        for c in range(kinds):
             where = np.flatnonzero(labels == c)
             position[rng.permutation(where)] = (np.arange(len(where)) + 0.5) / max(len(where), 1)
         index = index[np.argsort(position, kind="stable")]
@@ -115,6 +120,18 @@ def split_dataset(
     return {name: data.subset(p.tolist()) for name, p in parts.items()}
 
 
+def strata(data: LabelledTexts) -> tuple[np.ndarray, int]:
+    """What `stratified` keeps in proportion, as an id per row, and how many ids there are: the class, or under
+    --multi-label the whole set of a text's labels (`sports;politics` one stratum, `sports` another, none a third).
+    The stratified cut needs only an id per row, so a set serves as well as a class: each split then gets its
+    share of every combination, and so of every label; a set of one row goes to one split, as a class of one
+    row does."""
+    if not data.multi_label:
+        return np.asarray(data.labels, dtype=np.int64), data.num_classes
+    ids = {ys: k for k, ys in enumerate(sorted(set(data.labels)))}
+    return np.asarray([ids[ys] for ys in data.labels], dtype=np.int64), len(ids)
+
+
 def read_held_out(flag: str, path: str, train: LabelledTexts, columns: dict) -> LabelledTexts:
     """`--val-data` or `--test-data` (`flag`): a file read as `--data` was (`load_dataset`, the same `columns`
     flags), its labels renumbered as the training data's classes. A label the training data lacks is refused by
@@ -122,21 +139,25 @@ def read_held_out(flag: str, path: str, train: LabelledTexts, columns: dict) -> 
     if not Path(path).is_file() and path not in BUNDLED:
         what = "a directory, not a file" if Path(path).is_dir() else "no such file"
         raise DataError(f"{flag} {path}: {what}")
-    held = load_dataset(path, **columns, held_out=True)  # one class, or few rows of each, is no wrong column
+    # One class, or few rows of each, is no wrong column; --multi-label files are read as --data was.
+    held = load_dataset(path, **columns, held_out=True, multi_label=train.multi_label)
     index = {name: k for k, name in enumerate(train.label_names)}
+    sets = held.label_sets()
     for k, name in enumerate(held.label_names):
         if name not in index:
-            line = held.rows[held.labels.index(k)]
+            line = held.rows[next(i for i, ys in enumerate(sets) if k in ys)]
             known = ", ".join(train.label_names)
             raise DataError(f"{flag} {path} line {line}: label {name!r} is not in the training data ({known})")
+    renumbered = [tuple(sorted(index[held.label_names[y]] for y in ys)) for ys in sets]
     return LabelledTexts(
         texts=held.texts,
-        labels=[index[held.label_names[y]] for y in held.labels],
+        labels=renumbered if train.multi_label else [y for (y,) in renumbered],
         label_names=list(train.label_names),
         source=held.source,
         rows=held.rows,
         skipped=held.skipped,
         columns=held.columns,
+        multi_label=train.multi_label,
     )
 
 

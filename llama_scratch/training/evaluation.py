@@ -1,5 +1,9 @@
 """Evaluation: loss, accuracy and the confusion matrix over a whole split, per-class figures and macro-F1 from it,
-ROC AUC from the probabilities, and which evaluation's weights a run keeps (`--select-by`)."""
+ROC AUC from the probabilities, and which evaluation's weights a run keeps (`--select-by`).
+
+Under --multi-label (a split whose labels are multi-hot rows) every row's probabilities are gathered instead of a
+confusion matrix: per-label precision, recall and F1, micro- and macro-F1 and the exact-match accuracy follow
+on the host at a threshold (`label_set_figures`), which `final_figures` chooses on the validation split."""
 
 from __future__ import annotations
 
@@ -7,12 +11,12 @@ from collections import Counter
 from typing import Protocol
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 from tqdm.auto import tqdm
 
 from ..data.batching import TokenizedSplit, forward, length_sorted_batches, to_batch
 from ..parallel.strategy import Strategy, unwrap
+from . import objective
 
 
 class EvalSettings(Protocol):
@@ -23,6 +27,7 @@ class EvalSettings(Protocol):
 
 
 SELECT_BY = ("accuracy", "macro_f1", "loss")  # what --select-by may name: the measure the kept weights are best at
+THRESHOLDS = tuple(k / 20 for k in range(1, 20))  # --multi-label: the thresholds tried on validation, 0.05 .. 0.95
 
 
 def evaluate(
@@ -45,15 +50,19 @@ def _evaluate(
     """
     model, device, processes = unwrap(model), strategy.device, strategy.processes
     num_classes = model.head.out_features  # the classifier's head says how many classes there are
+    multi = split.multi_hot
+    width = num_classes if multi else 1  # each row's probabilities gathered: every label's, or the second class's
     was_training = model.training
     model.eval()
     batches = length_sorted_batches([len(x) for x in split.ids], s.eval_rows, processes.rank, processes.world_size)
     loss_sum = torch.zeros((), dtype=torch.float64, device=device)
     # Each process writes its rows' probabilities into its own stretch of one vector (offsets known on the host:
     # no index tensor to copy), so summing over processes gathers them all.
-    order, offset = score_order(split, s.eval_rows, processes.rank, processes.world_size) if scores else ([], 0)
-    probs = torch.zeros(len(order), dtype=torch.float64, device=device)
-    confusion = torch.zeros(num_classes, num_classes, dtype=torch.float64, device=device)  # [true, predicted]
+    gather = scores or multi
+    order, offset = score_order(split, s.eval_rows, processes.rank, processes.world_size) if gather else ([], 0)
+    probs = torch.zeros(len(order) * width, dtype=torch.float64, device=device)
+    classes = 0 if multi else num_classes  # no confusion matrix for sets of labels: their figures come from probs
+    confusion = torch.zeros(classes, classes, dtype=torch.float64, device=device)  # [true, predicted]
     # Sharded, every process runs every forward (its blocks are gathered from everyone): one with fewer batches
     # runs a one-row batch more whose result it drops.
     extra = strategy.batches_to_match(len(batches))
@@ -62,13 +71,18 @@ def _evaluate(
         logits = forward(model, batch).float()
         if k >= len(batches):
             continue
-        loss_sum += F.cross_entropy(logits, batch["labels"], reduction="sum").double()
-        confusion += count_pairs(batch["labels"], logits.argmax(-1), num_classes)
-        if scores:
-            start = offset + k * s.eval_rows
-            probs[start : start + len(rows)] = logits.softmax(-1)[:, -1].double()
+        loss_sum += objective.loss(logits, batch["labels"], reduction="sum").double()
+        if not multi:
+            confusion += count_pairs(batch["labels"], logits.argmax(-1), num_classes)
+        if gather:
+            start = (offset + k * s.eval_rows) * width
+            shown = logits.sigmoid() if multi else logits.softmax(-1)[:, -1]
+            probs[start : start + len(rows) * width] = shown.double().flatten()
     totals = strategy.all_sum(torch.cat([loss_sum.view(1), confusion.flatten(), probs])).tolist()  # the one read
     model.train(was_training)
+    if multi:
+        rows = [totals[1 + i * width : 1 + (i + 1) * width] for i in range(len(order))]
+        return multi_label_result(totals[0], rows, [split.labels[i] for i in order])
     cells = num_classes * num_classes
     matrix = [[int(c) for c in totals[1 + k * num_classes : 1 + (k + 1) * num_classes]] for k in range(num_classes)]
     n = sum(map(sum, matrix))
@@ -82,6 +96,14 @@ def _evaluate(
     if scores:
         result["roc_auc"] = roc_auc(totals[1 + cells :], [int(split.labels[i] == num_classes - 1) for i in order])
     return result
+
+
+def multi_label_result(loss_sum: float, probs: list[list[float]], targets: list[list[int]]) -> dict:
+    """A --multi-label evaluation: the mean loss, the figures at threshold 0.5 (`label_set_figures`: `accuracy`
+    is the exact match, so history and --select-by read it as they read a single label's), and every row's
+    probabilities and targets, from which `final_figures` chooses the threshold and figures again."""
+    figures = label_set_figures(probs, targets, 0.5)
+    return figures | {"loss": loss_sum / max(len(probs), 1), "probabilities": probs, "targets": targets}
 
 
 def score_order(split: TokenizedSplit, rows: int, rank: int, world_size: int) -> tuple[list[int], int]:
@@ -120,6 +142,44 @@ def macro_f1(confusion: list[list[int]]) -> float:
     return sum(scores[names[k]]["f1"] for k in present) / max(len(present), 1)
 
 
+def label_set_figures(
+    probs: list[list[float]], targets: list[list[int]], threshold: float, label_names: list[str] | None = None
+) -> dict:
+    """--multi-label figures with each label predicted when its probability is at or above `threshold`: the
+    exact-match (subset) accuracy as `accuracy` (every label of the row right), micro-F1 (every (row, label)
+    decision pooled: 2 TP / (2 TP + FP + FN)), macro-F1 (the mean of the labels' F1 over the labels present as
+    true or predicted, as `macro_f1` counts classes; scikit-learn's multi-label macro average would count a label
+    absent from both as F1 0), per-label precision, recall, F1 and support (`per_class` of each label's 2 x 2
+    confusion matrix: the same keys as one label's classes) and the row count. Plain Python on the host."""
+    names = label_names or [str(k) for k in range(len(targets[0]) if targets else 0)]
+    predicted = [[int(p >= threshold) for p in row] for row in probs]
+    labels, tp, fp, fn, present = {}, 0, 0, 0, []
+    for k, name in enumerate(names):
+        pairs = Counter((t[k], p[k]) for t, p in zip(targets, predicted, strict=True))
+        matrix = [[pairs[0, 0], pairs[0, 1]], [pairs[1, 0], pairs[1, 1]]]  # [true, predicted]; 1: has the label
+        labels[name] = per_class(matrix, ["no", "yes"])["yes"]
+        tp, fp, fn = tp + pairs[1, 1], fp + pairs[0, 1], fn + pairs[1, 0]
+        if pairs[1, 1] + pairs[0, 1] + pairs[1, 0]:  # true or predicted somewhere
+            present.append(labels[name]["f1"])
+    return {
+        "accuracy": sum(p == t for p, t in zip(predicted, targets, strict=True)) / max(len(targets), 1),
+        "micro_f1": 2 * tp / (2 * tp + fp + fn) if tp + fp + fn else 0.0,
+        "macro_f1": sum(present) / max(len(present), 1),
+        "per_label": labels,
+        "count": len(targets),
+    }
+
+
+def choose_threshold(probs: list[list[float]], targets: list[list[int]]) -> float:
+    """The threshold of THRESHOLDS at which the validation rows' micro-F1 is highest; of equals, the one nearest
+    0.5 (the sigmoid's own even odds, where training measured), then the lower. One threshold for every label:
+    per-label thresholds would be fitted to a few validation rows each."""
+    return max(
+        THRESHOLDS,
+        key=lambda t: (label_set_figures(probs, targets, t)["micro_f1"], -abs(round(20 * t) - 10), -t),
+    )
+
+
 def roc_auc(scores: list[float], positive: list[int]) -> float | None:
     """The area under the ROC curve: the chance that a positive row scores above a negative one, ties counted
     half (the Mann-Whitney rank statistic, with tied scores given their mean rank). None without both classes."""
@@ -136,6 +196,51 @@ def roc_auc(scores: list[float], positive: list[int]) -> float | None:
         rank_sum += (i + 1 + j) / 2 * sum(p for _, p in pairs[i:j])  # ranks i+1 .. j share their mean
         i = j
     return (rank_sum - n_pos * (n_pos + 1) / 2) / (n_pos * n_neg)
+
+
+def final_figures(results: dict[str, dict], label_names: list[str], threshold: float | None = None) -> dict:
+    """metrics.json's figures from the final evaluation of each split ("train", "val", "test": `evaluate`'s
+    results with the kept weights): accuracy, loss and macro-F1 per split, and the test split per class (with its
+    confusion matrix, and its ROC AUC when it was asked for).
+
+    Under --multi-label: one threshold for deciding each label, `threshold` (--threshold) or the one that
+    maximises micro-F1 on the validation split (`choose_threshold`), said in `threshold` and
+    `threshold_chosen_on`; every split's figures at it (`accuracy`: exact match), micro-F1 beside macro-F1, the
+    test split per label; no confusion matrix (a text is in several classes at once)."""
+    if "probabilities" not in results["test"]:
+        test = results["test"]
+        return {
+            **{f"{k}_{m}": r[m] for m in ("accuracy", "loss", "macro_f1") for k, r in results.items()},
+            **({"test_roc_auc": test["roc_auc"]} if "roc_auc" in test else {}),
+            "test_per_class": per_class(test["confusion"], label_names),
+            "test_confusion": test["confusion"],
+        }
+    val = results["val"]
+    chosen = threshold if threshold is not None else choose_threshold(val["probabilities"], val["targets"])
+    at = {k: label_set_figures(r["probabilities"], r["targets"], chosen, label_names) for k, r in results.items()}
+    return {
+        **{f"{k}_{m}": at[k][m] for m in ("accuracy", "micro_f1", "macro_f1") for k in results},
+        **{f"{k}_loss": r["loss"] for k, r in results.items()},
+        "test_per_class": at["test"]["per_label"],
+        "threshold": chosen,
+        "threshold_chosen_on": "validation" if threshold is None else "--threshold",
+    }
+
+
+def final_line(metrics: dict) -> str:
+    """The run's last log line's figures: test accuracy (val, train), or under --multi-label the test micro- and
+    macro-F1 and exact-match accuracy at the run's threshold."""
+    if "threshold" not in metrics:
+        return (
+            f"test accuracy {metrics['test_accuracy']:.2%} (val {metrics['val_accuracy']:.2%}, train "
+            f"{metrics['train_accuracy']:.2%}"
+        )
+    return (
+        f"test micro-F1 {metrics['test_micro_f1']:.4f}, macro-F1 {metrics['test_macro_f1']:.4f}, exact match "
+        f"{metrics['test_accuracy']:.2%} at threshold {metrics['threshold']:g} (chosen on "
+        f"{metrics['threshold_chosen_on']}; val micro-F1 {metrics['val_micro_f1']:.4f}, train "
+        f"{metrics['train_micro_f1']:.4f}"
+    )
 
 
 def selection_key(row: dict, select_by: str) -> tuple[float, float]:

@@ -15,7 +15,6 @@ from pathlib import Path
 from typing import ClassVar
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 from torch.utils.data import DistributedSampler
 from tqdm.auto import tqdm
@@ -24,6 +23,7 @@ from ..checkpoints import resume
 from ..data.batching import TokenizedSplit, forward, to_batch
 from ..model.packing import to_device
 from ..parallel.strategy import Processes, Replicated, Strategy, optimizer_kernels, unwrap
+from . import objective
 from .evaluation import evaluate, selection_key
 from .interrupts import interrupts_deferred, stops_noted
 from .optim import MasterWeightAdamW
@@ -135,8 +135,16 @@ def check_enough_data(n_train: int, s: TrainSettings, processes: Processes) -> i
     return steps
 
 
-def balanced_weights(labels: list[int], num_classes: int) -> list[float]:
-    """Loss weights n / (classes x count): each class weighs as much as if all were equally common (a rare one too)."""
+def balanced_weights(labels: list[int] | list[list[int]], num_classes: int) -> list[float]:
+    """Loss weights n / (classes x count): each class weighs as much as if all were equally common (a rare one too).
+
+    Under --multi-label (`labels` multi-hot rows, `LabelledTexts.targets`) each label is its own yes/no question,
+    so its weight is binary cross-entropy's `pos_weight`: negatives / positives, so its positive rows weigh as
+    much as its negative ones (a label on 1 row in 10 gets 9). A label no training row carries gets negatives / 1:
+    it has no positive term to weigh."""
+    if labels and isinstance(labels[0], list):
+        positives = torch.tensor(labels, dtype=torch.float64).sum(0)
+        return ((len(labels) - positives) / positives.clamp(min=1)).tolist()
     counts = torch.bincount(torch.tensor(labels), minlength=num_classes).clamp(min=1)
     return (len(labels) / (num_classes * counts.double())).tolist()
 
@@ -208,6 +216,8 @@ def check_same_run(path: Path, record: dict, settings: TrainSettings, identity: 
     for changeable in ("save_every",):  # how often to save may change between the two halves of a run
         saved.pop(changeable, None), now.pop(changeable, None)
     saved.setdefault("select_by", "accuracy")  # a point from before --select-by selected by accuracy
+    if "multi_label" in now:  # the command's identity has it; a point from before --multi-label had one label a text
+        saved.setdefault("multi_label", False)
     if partial:
         saved = {k: v for k, v in saved.items() if k in now}
     resume.check_same_run(path, saved, now)
@@ -282,9 +292,9 @@ def train_step(
         # Several processes combine their gradients only after the last micro-batch of a step.
         with strategy.gradient_sync(model, j == len(step_rows) - 1):
             logits = forward(model, batch)
-            micro = F.cross_entropy(logits.float(), batch["labels"], weight=weight) / s.grad_accum
+            micro = objective.loss(logits, batch["labels"], weight) / s.grad_accum
             micro.backward()
-        correct = (logits.argmax(-1) == batch["labels"]).sum()
+        correct = objective.correct(logits, batch["labels"])
         sums[:2] += torch.stack([micro.detach().double() * s.grad_accum * len(rows), correct.double()])
         sums[2] += len(rows)  # a number the kernel is given: no tensor made on the host and copied
         tokens += sum(len(split.ids[i]) for i in rows) * strategy.processes.world_size

@@ -261,7 +261,8 @@ def write_results(out: Path, run_id: str, metrics: dict, record: RunRecord, hist
     metrics["run_id"] = run_id
     write_text_atomic(out / "history.csv", history_csv(history))
     plot_history(history, out / "history.png", metrics.get("best_step"))
-    plot_confusion(metrics["test_confusion"], metrics["label_names"], out / "confusion.png")
+    if "test_confusion" in metrics:  # none under --multi-label: a text is in several classes at once
+        plot_confusion(metrics["test_confusion"], metrics["label_names"], out / "confusion.png")
     write_text_atomic(out / "metrics.json", json.dumps(metrics, indent=2) + "\n")
     write_record(out, dataclasses.replace(record, run_id=run_id))
     for name in (BEST_FILE, FLAGS_FILE, RESUME_FILE, RESUME_DIR):  # spent; the resume point last: a crash here
