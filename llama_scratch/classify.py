@@ -75,7 +75,7 @@ def load_classifier(
         keep = full_precision_blocks(cfg.n_layers, record.train_last, lora) if quantize else 0
         backbone = load_model(base, device=device, dtype=torch_dtype, quantize=quantize, keep_last=keep)
     lora = record.lora.settings if record.lora else None
-    clf = LlamaClassifier(backbone, record.num_classes, record.train_last, lora).eval()
+    clf = LlamaClassifier(backbone, record.num_classes, record.train_last, lora, record.multi_label).eval()
     if record.lora and list(record.lora.blocks) != clf.lora_blocks:
         raise CheckpointError(
             f"{record.path}: LoRA blocks {list(record.lora.blocks)} are not the "
@@ -100,13 +100,15 @@ def predict_proba(
     max_length: int | None = None,
     batch_size: int = 16,
     layout: str = "packed",
-    multi_label: bool = False,
+    multi_label: bool | None = None,
 ) -> torch.Tensor:
     """Every class's probability per text, [texts, classes] in float32 on the CPU, in input order. Texts are cut
     to `max_length` tokens only if asked (by default, to the model's context: the training run's length limit is
     no limit here). Batched by length; `layout` "packed" (no padding at all, packing.py) or "right"/"left".
-    `multi_label` (a --multi-label run, classifier.json's "multi_label"): each label's own probability, the
-    sigmoid of its logit, instead of a softmax over the classes."""
+    `multi_label` (a --multi-label run, classifier.json's "multi_label"; None: the classifier's own, as
+    `load_classifier` set it): each label's own probability, the sigmoid of its logit, instead of a softmax over
+    the classes."""
+    multi_label = clf.multi_label if multi_label is None else multi_label
     device = clf.head.weight.device
     ids = [tokenizer.encode(t, bos=True)[: max_length or clf.backbone.cfg.max_seq_len] for t in texts]
     split = TokenizedSplit(ids, [0] * len(ids), pad_id=tokenizer.pad_id)
@@ -120,7 +122,13 @@ def predict_proba(
 def predict(
     clf: LlamaClassifier, tokenizer: Tokenizer, texts: list[str], max_length: int | None = None, batch_size: int = 16
 ) -> list[tuple[int, float]]:
-    """(class id, probability) per text, in input order: the most probable class of `predict_proba`."""
+    """(class id, probability) per text, in input order: the most probable class of `predict_proba`. A
+    --multi-label classifier has no one class a text: `above(predict_proba(...), threshold)` gives its labels."""
+    if clf.multi_label:
+        raise ValueError(
+            "predict gives one class a text; this classifier is --multi-label: use "
+            "above(predict_proba(clf, tokenizer, texts), threshold) with the run's threshold"
+        )
     return best(predict_proba(clf, tokenizer, texts, max_length, batch_size))
 
 
@@ -335,7 +343,9 @@ def run_threshold(given: float | None, record) -> float | None:
     if given is None:
         return record.threshold
     if not record.multi_label:
-        raise DataError(f"--threshold decides the labels of a --multi-label run; {record.path.parent} has one a text")
+        raise DataError(
+            f"--threshold decides the labels of a --multi-label run; {record.path.parent} has one label per text"
+        )
     if not 0 < given < 1:
         raise DataError(f"--threshold must be a probability between 0 and 1 (not included), got {given:g}")
     return given

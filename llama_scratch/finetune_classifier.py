@@ -330,7 +330,7 @@ def run(args: argparse.Namespace, progress: Progress | None = None) -> dict:
     save(out / WEIGHTS_FILE, {"run_id": run_id})  # every process: a sharded model is gathered tensor by tensor
     meta = functools.partial(classifier_meta, job, clf, tokenizer_ref, max_length, settings, metrics.get("threshold"))
     strategy.on_main(lambda: write_results(out, run_id, metrics, meta(), state.history))  # rank 0 writes
-    warn_if_one_class(metrics["val_accuracy"], parts["val"].labels, log)
+    warn_if_one_class(metrics["val_accuracy"], parts["val"].labels, log, metrics.get("val_micro_f1"))
     weights = f"epoch {metrics['best_epoch']}'s weights"
     log(f"{final_line(metrics)}; {weights}); {metrics['seconds']:.0f} s. Results in {out}/")
     return metrics

@@ -64,10 +64,12 @@ def summary(record: RunRecord, metrics: dict) -> str:
         cut = "validation and test files of its own" if split is None else f"split `{split}`"
         lines.append(f"Data: `{data}`, {cut} ({sizes} texts).")
     if record.multi_label:
+        origin = metrics.get("threshold_chosen_on", "validation")
+        origin = "given by --threshold" if origin == "--threshold" else f"chosen on {origin}"
         lines.append(
             f"Multi-label: each label has its own probability (a sigmoid of its logit; `problem_type` "
             f"`multi_label_classification`), and a text has every label whose probability is at least "
-            f"{record.threshold:g} (chosen on {metrics.get('threshold_chosen_on', 'validation')})."
+            f"{record.threshold:g} ({origin})."
         )
         if "test_micro_f1" in metrics:
             lines.append(

@@ -209,6 +209,11 @@ def load_dataset(
     are the distinct single labels. A file of one label per row reads the same way, each row one label.
     """
     if str(name_or_path) == "sms_spam":
+        if multi_label:  # never a silent single-label run under a multi-label flag
+            raise DataError(
+                "sms_spam has one label per text (ham or spam); --multi-label needs a file whose label "
+                "column holds ';'-separated labels"
+            )
         return load_sms_spam()
     path = Path(name_or_path)
     if not path.exists() and is_dataset_id(str(name_or_path)):
@@ -404,7 +409,11 @@ def _read_parquet(
 
 
 def _check_value(number: int, value: object, label: object, key: str, items: list, skipped: list[BadRow]) -> None:
-    """A JSON or Parquet row's text (a string) and label (a string, an integer, a whole float or a bool)."""
+    """A JSON or Parquet row's text (a string) and label (a string, an integer, a whole float or a bool, or a list
+    of strings and integers: a set of labels, read as its SEPARATOR-joined cell, so `["sports", "politics"]` is
+    `sports;politics` and `[]` is none; without --multi-label a list of one label is that label)."""
+    if isinstance(label, list) and all(isinstance(y, int | str) and not isinstance(y, bool) for y in label):
+        label = SEPARATOR.join(str(y).strip() for y in label)
     if value is None:
         skipped.append(BadRow(number, f"missing {key!r}"))
     elif not isinstance(value, str):
@@ -508,11 +517,17 @@ def _label_set(cell: str) -> tuple[str, ...]:
 
 
 def _check_classes(names: list[str], cells: list[tuple[str, ...]], path: Path | str, multi_label: bool) -> None:
-    """Refuse training data no classifier can learn from: one class (one label, under --multi-label: each output
-    would have nothing to tell apart), or a label column that is really a text or id column (`_check_class_count`;
-    under --multi-label also a column where every row holds a set of labels of its own)."""
+    """Refuse training data no classifier can learn from: one class (one label, under --multi-label), or a label
+    column that is really a text or id column (`_check_class_count`; under --multi-label also a column where every
+    row holds a set of labels of its own). One tag beside rows of none (`toxic` or empty) is a yes/no question:
+    the message says how to ask it, as two classes."""
     if len(names) < 2:
         what = "a multi-label classifier needs at least two labels" if multi_label else "a classifier needs two"
+        if multi_label and names and any(not cell for cell in cells):
+            what = (
+                f"one tag or none is a yes/no task: label the other rows too (e.g. 'not {names[0]}') and drop "
+                "--multi-label"
+            )
         one = f"only one {'label' if multi_label else 'class'} ({names[0]!r})" if names else "no label at all"
         raise DataError(f"{path}: {one} in {len(cells):,} rows; {what}")
     _check_class_count(names, len(cells), path)

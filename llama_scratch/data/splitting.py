@@ -102,7 +102,11 @@ def split_dataset(
         position = np.empty(len(index))
         for c in range(kinds):
             where = np.flatnonzero(labels == c)
-            position[rng.permutation(where)] = (np.arange(len(where)) + 0.5) / max(len(where), 1)
+            # Rows sit evenly along [0, 1), each stratum's first at `phase` / its size. A class is big, so the middle
+            # (0.5) gives it its exact shares. Label sets are often 1 to 3 rows: at 0.5, a set of one row would always
+            # train, one of two always give a row to validation; a random phase gives each split its expected share.
+            phase = rng.random() if data.multi_label else 0.5
+            position[rng.permutation(where)] = (np.arange(len(where)) + phase) / max(len(where), 1)
         index = index[np.argsort(position, kind="stable")]
     else:
         index = rng.permutation(index)
@@ -124,8 +128,8 @@ def strata(data: LabelledTexts) -> tuple[np.ndarray, int]:
     """What `stratified` keeps in proportion, as an id per row, and how many ids there are: the class, or under
     --multi-label the whole set of a text's labels (`sports;politics` one stratum, `sports` another, none a third).
     The stratified cut needs only an id per row, so a set serves as well as a class: each split then gets its
-    share of every combination, and so of every label; a set of one row goes to one split, as a class of one
-    row does."""
+    share of every combination, and so of every label; a set of a few rows goes where a random phase puts it
+    (`split_dataset`), so that small sets reach each split in proportion on average."""
     if not data.multi_label:
         return np.asarray(data.labels, dtype=np.int64), data.num_classes
     ids = {ys: k for k, ys in enumerate(sorted(set(data.labels)))}

@@ -62,12 +62,21 @@ class LlamaClassifier(nn.Module):
     final norm and the last k blocks; `None` trains everything. With `lora`, those k blocks (None: every block)
     get LoRA adapters instead, and only the adapters train in them (lora.py): their weights and norms stay frozen,
     as does the embedding. The language-model output projection is never used here, so it is always frozen.
+
+    `multi_label`: how the scores are read, a softmax over competing classes (one label per text) or a sigmoid per
+    label (several: `--multi-label`). The head is the same either way; `classify.predict_proba` reads this.
     """
 
     def __init__(
-        self, backbone: Llama, num_classes: int = 2, train_last: int | None = 2, lora: LoRASettings | None = None
+        self,
+        backbone: Llama,
+        num_classes: int = 2,
+        train_last: int | None = 2,
+        lora: LoRASettings | None = None,
+        multi_label: bool = False,
     ):
         super().__init__()
+        self.multi_label = multi_label
         if num_classes < 2:
             raise ValueError(f"num_classes must be at least 2, got {num_classes}")
         self.backbone = backbone

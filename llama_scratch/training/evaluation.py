@@ -235,10 +235,12 @@ def final_line(metrics: dict) -> str:
             f"test accuracy {metrics['test_accuracy']:.2%} (val {metrics['val_accuracy']:.2%}, train "
             f"{metrics['train_accuracy']:.2%}"
         )
+    origin = metrics["threshold_chosen_on"]
+    origin = "given by --threshold" if origin == "--threshold" else f"chosen on {origin}"
     return (
         f"test micro-F1 {metrics['test_micro_f1']:.4f}, macro-F1 {metrics['test_macro_f1']:.4f}, exact match "
-        f"{metrics['test_accuracy']:.2%} at threshold {metrics['threshold']:g} (chosen on "
-        f"{metrics['threshold_chosen_on']}; val micro-F1 {metrics['val_micro_f1']:.4f}, train "
+        f"{metrics['test_accuracy']:.2%} at threshold {metrics['threshold']:g} ({origin}; "
+        f"val micro-F1 {metrics['val_micro_f1']:.4f}, train "
         f"{metrics['train_micro_f1']:.4f}"
     )
 
@@ -277,8 +279,20 @@ def per_step(history: list[dict]) -> bool:
     return len({r["epoch"] for r in history}) < len(history)
 
 
-def warn_if_one_class(val_accuracy: float, val_labels: list[int], log) -> None:
-    """A model that learned nothing predicts the commonest class; its accuracy is then that class's share."""
+def warn_if_one_class(val_accuracy: float, val_labels: list, log, val_micro_f1: float | None = None) -> None:
+    """A model that learned nothing predicts the commonest class; its accuracy is then that class's share.
+
+    Under --multi-label (`val_micro_f1` given) exact match says little: where most texts carry no label, answering
+    none for every text matches most rows. A model that learned nothing there predicts no label at all, or none of
+    the right ones: micro-F1 0."""
+    if val_micro_f1 is not None:
+        if val_micro_f1 <= 0:
+            log(
+                "warning: validation micro-F1 is 0: no validation text got any of its labels right at the "
+                "threshold; the model has not learned the task. Try more data, more --epochs, a higher --lr, or "
+                "--class-weights balanced for rare labels."
+            )
+        return
     majority = max(Counter(val_labels).values()) / max(len(val_labels), 1)
     if val_accuracy <= majority + 1e-9:
         log(
