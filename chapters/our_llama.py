@@ -28,6 +28,7 @@ translation, `llama_scratch.checkpoints.hf_layout.hf_to_ours` (chapter 6).
 from __future__ import annotations
 
 import math
+from collections.abc import Collection
 
 import torch
 import torch.nn.functional as F
@@ -185,7 +186,7 @@ class OurLlama(nn.Module):
 
 
 @torch.no_grad()
-def generate(model: OurLlama, prompt: list[int], new_tokens: int, stop_ids: tuple[int, ...] = ()) -> list[int]:
+def generate(model: OurLlama, prompt: list[int], new_tokens: int, stop_ids: Collection[int] = ()) -> list[int]:
     """Greedy decoding (chapter 10): up to `new_tokens` most likely next tokens, stopping after any of `stop_ids`.
 
     The whole text is run again for each token (no cache, see the module's docstring).
