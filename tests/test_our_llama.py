@@ -101,7 +101,9 @@ def test_one_training_step_equals_the_package():
     ours_params = dict(clf_ours.named_parameters())
     for name, p in clf_theirs.trainable_parameters().items():
         torch.testing.assert_close(ours_params[name].grad, p.grad, msg=name)
-        # AdamW's first step moves a weight by lr * g / (|g| + eps): where |g| is near eps (1e-8), the last bits of
-        # g, which two correct implementations round differently, change the update by a fraction of lr (here up
-        # to 0.04 lr; 0.08 lr on SmolLM2 in chapter 8). A missing update is off by lr, a wrong sign by 2 lr.
-        torch.testing.assert_close(ours_params[name], p, rtol=0, atol=lr / 2, msg=name)
+        # AdamW's first step moves a weight by lr * g / (|g| + eps): where |g| is near eps (1e-8), at noise level,
+        # the last bits of g, which two correct implementations round differently, decide a visible part of the
+        # update. The weights are compared where the gradient is at least 100 eps (chapter 8 does the same).
+        clear = p.grad.abs() >= 100 * 1e-8
+        assert clear.float().mean() > 0.9, name
+        torch.testing.assert_close(ours_params[name][clear], p[clear], msg=name)
