@@ -33,7 +33,7 @@ from .model.tokenizer import Tokenizer
 from .sources.devices import choose_dtype, resolve_device
 from .sources.fetch import DownloadError
 from .sources.resolve import load_model
-from .training.evaluation import label_set_figures, per_class
+from .training.evaluation import check_threshold_value, label_set_figures, per_class
 
 SHOWN_SKIPS = 5  # skipped inputs named in the note; the rest are counted
 ECHO_CHARS = 72  # of each text, after its label: enough to tell texts apart, one line; --output holds the whole
@@ -346,9 +346,7 @@ def run_threshold(given: float | None, record) -> float | None:
         raise DataError(
             f"--threshold decides the labels of a --multi-label run; {record.path.parent} has one label per text"
         )
-    if not 0 < given < 1:
-        raise DataError(f"--threshold must be a probability between 0 and 1 (not included), got {given:g}")
-    return given
+    return check_threshold_value(given)
 
 
 def shown_labels(pick: int | list[int], probs: list[float], names: list[str]) -> str:

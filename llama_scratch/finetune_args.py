@@ -12,7 +12,7 @@ import torch
 from .data.labelled import SEPARATOR, DataError, LabelledTexts, load_dataset
 from .data.splitting import default_protocol, split_with_files
 from .model.lora import TARGETS, LoRASettings
-from .training.evaluation import SELECT_BY, THRESHOLDS
+from .training.evaluation import SELECT_BY, THRESHOLDS, check_threshold_value
 from .training.loop import TrainSettings
 
 
@@ -444,8 +444,7 @@ def check_threshold(args: argparse.Namespace) -> None:
         return
     if not args.multi_label:
         raise ValueError("--threshold decides each label of --multi-label; one label per text takes the likeliest")
-    if not 0 < args.threshold < 1:
-        raise ValueError(f"--threshold must be a probability between 0 and 1 (not included), got {args.threshold:g}")
+    check_threshold_value(args.threshold)
 
 
 def refuse_float16(dtype: torch.dtype, what: str) -> torch.dtype:

@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from .formats import UNDECODABLE, decode, jsonl_objects, table_rows
-from .labelled import MAX_LABEL_DIGITS, SEPARATOR, DataError, TableColumns, find_columns, json_keys
+from .labelled import MAX_LABEL_DIGITS, SEPARATOR, DataError, TableColumns, find_columns, json_keys, label_set
 
 INTEGER = re.compile(r"[+-]?\d+")
 
@@ -124,7 +124,7 @@ def known_set(value: str, label_names: list[str], where: str) -> str:
     """A --multi-label cell as the run's names, SEPARATOR-joined in the run's order ("" for none of them); a
     label the run lacks is refused by name."""
     names = set()
-    for part in filter(None, (p.strip() for p in value.split(SEPARATOR))):
+    for part in label_set(value):  # split as training splits a cell
         if (name := known_label(part, label_names)) is None:
             known = ", ".join(label_names)
             raise DataError(f"{where}: label {part!r} is not one of this classifier's labels ({known})")

@@ -43,6 +43,7 @@ MAX_CLASSES = 1000  # more is a wrong label column, not a task; evaluation keeps
 MAX_LABEL_DIGITS = 18  # any such integer fits in 64 bits
 FEW_CLASSES = 10  # up to this many classes a tiny file may have one row each; beyond, at least two rows per class
 SEPARATOR = ";"  # between the labels of one text under --multi-label (`sports;politics`)
+MULTI_LABEL_HINT = f" (most labels hold {SEPARATOR!r}: several labels per text? --multi-label)"
 
 
 class DataWarning(UserWarning):
@@ -127,7 +128,7 @@ class LabelledTexts:
         if self.multi_label:
             classes = f"multi-label: {classes}; {sum(not ys for ys in self.labels):,} with none"
         elif 2 * sum(SEPARATOR in self.label_names[y] for y in self.labels) > len(self):
-            classes += f" (most labels hold {SEPARATOR!r}: several labels per text? --multi-label)"
+            classes += MULTI_LABEL_HINT
         columns = f"; {self.columns}" if self.columns else ""
         return f"{self.source}: {len(self):,} rows; {classes}; {len(self.skipped):,} bad rows skipped{columns}"
 
@@ -457,11 +458,7 @@ def _check_class_count(names: list[str], rows: int, path: Path) -> None:
     else:
         return
     shown = ", ".join(repr(name[:30]) for name in names[:3])
-    hint = (
-        f" (most labels hold {SEPARATOR!r}: several labels per text? --multi-label)"
-        if 2 * sum(SEPARATOR in name for name in names) > len(names)
-        else ""
-    )
+    hint = MULTI_LABEL_HINT if 2 * sum(SEPARATOR in name for name in names) > len(names) else ""
     raise DataError(
         f"{path}: {len(names):,} distinct labels in {rows:,} rows ({shown}, ...), {why}; "
         f"wrong label column? (--label-column){hint}"
@@ -485,7 +482,7 @@ def _build(
     data = LabelledTexts([], [], [], source=str(path), skipped=skipped)
     if not items:
         raise DataError(f"{path}: no usable rows" + (f"; skipped {data.skipped_report()}" if skipped else ""))
-    cells = [_label_set(label) if multi_label else (label,) for _, _, label in items]
+    cells = [label_set(label) if multi_label else (label,) for _, _, label in items]
     singles = [(line, "", label) for (line, _, _), labels in zip(items, cells, strict=True) for label in labels]
     _check_label_digits(singles, path)
     integers = all(_INTEGER.fullmatch(label) for _, _, label in singles)
@@ -511,7 +508,7 @@ def _build(
     return data
 
 
-def _label_set(cell: str) -> tuple[str, ...]:
+def label_set(cell: str) -> tuple[str, ...]:
     """The labels of one --multi-label cell: split on SEPARATOR, each stripped, empty pieces and repeats dropped."""
     return tuple(dict.fromkeys(part.strip() for part in cell.split(SEPARATOR) if part.strip()))
 

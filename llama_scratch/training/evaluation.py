@@ -30,6 +30,14 @@ SELECT_BY = ("accuracy", "macro_f1", "loss")  # what --select-by may name: the m
 THRESHOLDS = tuple(k / 20 for k in range(1, 20))  # --multi-label: the thresholds tried on validation, 0.05 .. 0.95
 
 
+def check_threshold_value(threshold: float) -> float:
+    """A --threshold, refused in one line unless strictly between 0 and 1 (at 0 or 1 every label, or none, would be
+    predicted whatever the text): finetune's and classify's flag alike."""
+    if not 0 < threshold < 1:
+        raise ValueError(f"--threshold must be a probability between 0 and 1 (not included), got {threshold:g}")
+    return threshold
+
+
 def evaluate(
     model: nn.Module, split: TokenizedSplit, s: EvalSettings, strategy: Strategy, desc: str, scores: bool = False
 ) -> dict:
