@@ -2,8 +2,14 @@ import csv
 import os
 from pathlib import Path
 
-import pytest
-import torch
+# Under pytest-xdist (`pytest -n 2`, what CI runs) each worker is one process per core: one thread each, or torch's
+# threads in two workers fight over the same cores, which makes compute-bound tests several times slower. Set before
+# torch is imported, so that the notebooks' kernels and the subprocesses the tests start inherit it too.
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    os.environ["OMP_NUM_THREADS"] = "1"
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
 
 from llama_scratch.data.labelled import load_sms_spam
 
@@ -19,6 +25,19 @@ def gpu_override() -> str | None:
     if value not in (None, "cpu"):
         raise pytest.UsageError(f"{GPU_OVERRIDE}={value!r}: the only value it takes is 'cpu' (or leave it unset)")
     return value
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """Under `pytest -n N`, fetch SmolLM2 once, here in the controlling process, before the workers start: tests and
+    chapters on two workers would otherwise both find it missing and download and convert it at the same moment.
+    (Offline, nothing is fetched; the tests that need it then skip or fail as they would alone.)"""
+    if getattr(config.option, "numprocesses", None) and not hasattr(config, "workerinput"):
+        from llama_scratch.sources.fetch import SMOLLM2_DIR, DownloadError, fetch_smollm2
+
+        try:  # the GGUF into the cache, converted into the repository's weights/, where the chapters look
+            fetch_smollm2(Path(__file__).resolve().parent.parent / SMOLLM2_DIR, quiet=True)
+        except (DownloadError, OSError) as e:
+            print(f"conftest: SmolLM2 was not fetched before the workers started ({e})")
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

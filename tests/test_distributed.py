@@ -11,7 +11,7 @@ def run_on_two_processes(script: str, path, timeout: float = 300) -> None:
     """Run `script` under torchrun with two CPU processes; each prints 'rank N ok' when its checks pass."""
     path.write_text(script)
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    run = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", str(path)]
+    run = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", str(path)]
     result = subprocess.run(run, capture_output=True, text=True, env=env, timeout=timeout)
     assert result.returncode == 0, result.stderr[-3000:]
     assert "rank 0 ok" in result.stdout and "rank 1 ok" in result.stdout

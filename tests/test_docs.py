@@ -322,7 +322,7 @@ def test_readme_test_command_is_what_ci_runs():
     ci = [line for line in (ROOT / ".ci" / "run").read_text().splitlines() if line and not line.startswith("#")]
     start = ci.index(next(line for line in ci if line.startswith("pip install") and "-e" in line))
     steps = [line.replace(" --quiet", "") for line in ci[start:]]
-    command = next(line for line in README.read_text().splitlines() if line.endswith("&& pytest"))
+    command = next(line for line in README.read_text().splitlines() if "ruff format --check . && pytest" in line)
     assert command.split(" && ")[2:] == steps
 
 

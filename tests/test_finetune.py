@@ -25,9 +25,9 @@ def args_for(data: Path, out: Path, *extra: str) -> list[str]:
 
 
 def run_module(*args: str, torchrun: int = 0, **kwargs) -> subprocess.CompletedProcess:
-    launcher = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={torchrun}"] if torchrun else [
-        sys.executable
-    ]  # fmt: skip
+    # --standalone: a free port each time, so that runs on two pytest workers (`pytest -n 2`) do not collide
+    torchrun_args = ["-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={torchrun}"]
+    launcher = [sys.executable, *(torchrun_args if torchrun else [])]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     return subprocess.run(
         [*launcher, "-m", "llama_scratch.finetune_classifier", *args], capture_output=True, text=True, env=env, **kwargs

@@ -305,7 +305,7 @@ def torchrun(processes: int, *flags: str) -> subprocess.CompletedProcess:
         "OMP_NUM_THREADS": "1",
         "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]),
     }
-    command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(processes),
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(processes),
                "-m", "llama_scratch.finetune_classifier", *flags]  # fmt: skip
     return subprocess.run(command, capture_output=True, text=True, env=env, timeout=300)
 

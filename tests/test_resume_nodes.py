@@ -156,7 +156,7 @@ def test_sigterm_to_one_sharded_process_stops_both_at_one_step_and_resumes(check
     full, cut = tmp_path / "full", tmp_path / "cut"
     common = ("--train-last", "2", "--batch-size", "4", "--save-every", "1000", "--epochs", "3", "--shard")
     argv = args_for(checkpoint, small_csv, cut, *common)
-    launch = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "-m",
+    launch = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "-m",
               "llama_scratch.finetune_classifier", *argv]  # fmt: skip
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     with (tmp_path / "stdout.txt").open("w") as stdout, (tmp_path / "stderr.txt").open("w") as stderr:
@@ -240,7 +240,15 @@ def test_a_schedulers_sigterm_to_every_process_still_saves_a_resume_point(tmp_pa
     script = tmp_path / "slow.py"
     script.write_text(SLOW_TRAINING)
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    launch = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", str(script), str(tmp_path)]
+    launch = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc_per_node=2",
+        str(script),
+        str(tmp_path),
+    ]
     with (tmp_path / "stdout").open("w") as out, (tmp_path / "stderr").open("w") as err:
         proc = subprocess.Popen(launch, env=env, stdout=out, stderr=err, start_new_session=True)
         deadline = time.time() + 120

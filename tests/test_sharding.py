@@ -133,7 +133,7 @@ def test_sharded_run_killed_mid_epoch_resumes_to_the_same_weights(checkpoint, sm
     assert uninterrupted.returncode == 0, uninterrupted.stderr
 
     argv = args_for(checkpoint, small_csv, killed, *common)
-    launch = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "-m",
+    launch = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "-m",
               "llama_scratch.finetune_classifier", *argv]  # fmt: skip
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     proc = subprocess.Popen(launch, env=env, start_new_session=True, stdout=subprocess.DEVNULL,
