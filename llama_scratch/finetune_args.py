@@ -142,6 +142,14 @@ def build_parser() -> argparse.ArgumentParser:
         help=f"rows per process per micro-batch (default: {d.batch_size})",
     )
     g.add_argument(
+        "--batch-tokens",
+        type=int,
+        metavar="N",
+        help="micro-batches of up to N tokens instead of --batch-size rows: texts grouped by length, so short "
+        "texts make big batches and long ones small, every step about as much work (a longer text goes alone); "
+        "fewer, larger steps than the default, see docs/finetuning.md (default: off)",
+    )
+    g.add_argument(
         "--grad-accum",
         type=int,
         default=d.grad_accum,

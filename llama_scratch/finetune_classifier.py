@@ -36,7 +36,7 @@ from .model.counts import count_parameters
 from .model.lora import TARGETS, LoRASettings
 from .model.tokenizer import Tokenizer
 from .parallel.strategy import Processes, Strategy, choose_strategy, teardown
-from .planning.memory import PlanInputs
+from .planning.memory import PlanInputs, planned_rows
 from .planning.report import detect_gpu, plan_command, plans_from_scratch, refuse_unfit_replica
 from .sources.devices import choose_dtype, make_deterministic
 from .sources.fetch import DownloadError
@@ -87,6 +87,7 @@ def train_settings(
         max_steps=args.max_steps,
         min_steps=args.min_steps,
         batch_size=args.batch_size,
+        batch_tokens=args.batch_tokens,
         grad_accum=args.grad_accum,
         lr=args.lr or (TrainSettings.lr_fresh if from_scratch or args.lora else TrainSettings.lr),
         weight_decay=args.weight_decay,
@@ -101,14 +102,25 @@ def train_settings(
         select_by=args.select_by,
         class_weights=balanced_weights(train_labels, num_classes) if args.class_weights == "balanced" else None,
     )
-    n_train = len(train_labels)
-    if args.epochs is None and (epochs := epochs_for_min_steps(n_train, settings, processes)) > settings.epochs:
+    if args.batch_tokens is not None and args.batch_tokens < 1:
+        raise ValueError(f"--batch-tokens must be a positive number of tokens, got {args.batch_tokens}")
+    if args.batch_tokens is None:  # a token budget's steps depend on the texts' lengths: after tokenizing
+        raise_epochs(args, settings, len(train_labels), processes, log)
+    return settings
+
+
+def raise_epochs(
+    args: argparse.Namespace, settings: TrainSettings, n_train: int, processes: Processes, log, lengths=None
+) -> None:
+    """Without --epochs, more epochs for small data, to reach --min-steps optimizer steps (`lengths`: the training
+    texts' token counts, which a --batch-tokens run needs to count its steps)."""
+    epochs = epochs_for_min_steps(n_train, settings, processes, lengths)
+    if args.epochs is None and epochs > settings.epochs:
         log(
             f"{n_train:,} training rows make few optimizer steps: {epochs} epochs instead of "
             f"{settings.epochs}, for at least {settings.min_steps} steps (--epochs or --min-steps to choose)"
         )
         settings.epochs = epochs
-    return settings
 
 
 @dataclass
@@ -191,7 +203,7 @@ def replica_plan_inputs(job: Job) -> PlanInputs:
     args, choice = job.args, job.choice
     return PlanInputs(
         cfg=config_of(choice.ref),
-        batch_size=args.batch_size,
+        batch_size=planned_rows(args.batch_size, args.batch_tokens, args.max_length or 512),
         seq_len=args.max_length or 512,
         train_last=choice.train_last,
         dtype=choice.dtype,
@@ -296,6 +308,9 @@ def run(args: argparse.Namespace, progress: Progress | None = None) -> dict:
     progress.phase = "loading the weights"
     clf, tokenizer, tokenizer_ref = build_classifier(job, log)
     splits, max_length = tokenize(parts, tokenizer, clf.backbone.cfg.max_seq_len, args.max_length, log)
+    if args.batch_tokens is not None:
+        lengths = [len(x) for x in splits["train"].ids]
+        raise_epochs(args, settings, len(lengths), strategy.processes, log, lengths)
     n_train = sum(p.numel() for p in clf.trainable_parameters().values())
     log(
         f"training {n_train:,} of {sum(p.numel() for p in clf.parameters()):,} parameters on {strategy.device} in "
@@ -348,7 +363,9 @@ def check_resume_point(job: Job, settings: TrainSettings) -> None:
     identity = {"world_size": strategy.processes.world_size, **run_identity(job, job.args.max_length)}
     if job.args.max_length is None:  # known once the texts are tokenized
         identity.pop("max_length")
-    check_same_run(found[0], found[1], settings, identity, partial=True)
+    # A token budget's epochs (raised to reach --min-steps) are known once the texts are tokenized, too.
+    unknown = ("epochs",) if job.args.batch_tokens is not None and job.args.epochs is None else ()
+    check_same_run(found[0], found[1], settings, identity, partial=True, unknown=unknown)
 
 
 def classifier_meta(

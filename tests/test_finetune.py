@@ -97,6 +97,46 @@ def test_ddp_two_processes_equal_one_process(small_csv, tmp_path):
     assert abs(ma["test_loss"] - mb["test_loss"]) < 1e-5
 
 
+def test_batch_tokens_trains_plans_and_classifies_as_a_user_types_it(small_csv, tmp_path, capsys):
+    """`--batch-tokens 400` end to end: micro-batches by a token budget (fewer, larger steps than 8 rows), the
+    run's files, the setting in classifier.json, classify on the result; `--plan` counts the budget."""
+    out = tmp_path / "run"
+    assert finetune_classifier.main(args_for(small_csv, out, "--batch-tokens", "400", "--min-steps", "0")) == 0
+    metrics = json.loads((out / "metrics.json").read_text())
+    texts = metrics["split_sizes"]["train"]
+    # 80 texts of up to 48 tokens, about 2,000 in all: a handful of steps an epoch, not 80 / 8 = 10.
+    assert 2 <= metrics["steps"] < 2 * texts // 8
+    meta = json.loads((out / "classifier.json").read_text())
+    assert meta["settings"]["batch_tokens"] == 400
+    capsys.readouterr()
+    assert classify.main(["--checkpoint", str(out), "WINNER! Claim your free prize now"]) == 0
+    assert capsys.readouterr().out.split("\t")[0] in ("ham", "spam")
+
+    plan = ["--model", "llama3-8b", "--plan", "--max-length", "512"]
+    assert finetune_classifier.main([*plan, "--batch-size", "16"]) == 0
+    rows = capsys.readouterr().out
+    assert finetune_classifier.main([*plan, "--batch-tokens", "8192"]) == 0
+    budget = capsys.readouterr().out
+    assert "batch 16 x 512 tokens" in rows and "batch 16 x 512 tokens" in budget and "--batch-tokens 8192" in budget
+    assert finetune_classifier.main(args_for(small_csv, tmp_path / "bad", "--batch-tokens", "0")) == 2
+    assert "--batch-tokens must be a positive" in capsys.readouterr().err
+
+
+def test_batch_tokens_on_two_processes_equals_accumulation_on_one(small_csv, tmp_path):
+    """Two DDP processes each take every other micro-batch of one list; one process accumulating two micro-batches
+    a step takes the same pairs: the same steps, the same weights (each micro-batch's loss counts its rows)."""
+    single, ddp = tmp_path / "single", tmp_path / "ddp"
+    one = run_module(*args_for(small_csv, single, "--batch-tokens", "300", "--grad-accum", "2"))
+    assert one.returncode == 0, one.stderr
+    two = run_module(*args_for(small_csv, ddp, "--batch-tokens", "300"), torchrun=2)
+    assert two.returncode == 0, two.stderr
+    a, b = load_file(single / "classifier.safetensors"), load_file(ddp / "classifier.safetensors")
+    # float32, a few steps: the two sum the same terms in another order (all-reduce against accumulation).
+    assert max((a[k] - b[k]).abs().max().item() for k in a) <= 1e-5
+    ma, mb = (json.loads((d / "metrics.json").read_text()) for d in (single, ddp))
+    assert ma["steps"] == mb["steps"] and ma["test_confusion"] == mb["test_confusion"]
+
+
 def test_resume_after_kill_equals_uninterrupted_run(small_csv, tmp_path):
     full, killed = tmp_path / "full", tmp_path / "killed"
     # Both runs in subprocesses with the same thread count, so every reduction sums in the same order.

@@ -8,7 +8,14 @@ import torch
 
 from llama_scratch.data.batching import TokenizedSplit
 from llama_scratch.parallel.strategy import Processes, Replicated
-from llama_scratch.training.loop import TrainSettings, check_enough_data, epoch_batches, lr_factor
+from llama_scratch.training.loop import (
+    TrainSettings,
+    budget_batches,
+    check_enough_data,
+    epoch_batches,
+    epoch_plan,
+    lr_factor,
+)
 
 
 def test_epoch_batches_are_seeded_and_shared_out_like_one_process():
@@ -31,6 +38,75 @@ def test_incomplete_steps_are_dropped_and_too_little_data_is_an_error():
     assert check_enough_data(15, s, Processes(world_size=2)) == 1  # the sampler repeats a row to give each process 8
     with pytest.raises(ValueError, match="fewer than one step"):
         check_enough_data(13, s, Processes(world_size=2))
+
+
+LENGTHS = [3 + (i * 37) % 61 for i in range(90)]  # 90 texts of 3-63 tokens, many lengths repeated
+
+
+@pytest.mark.parametrize("padded", [False, True])
+def test_token_budget_batches_hold_every_row_once_within_the_budget(padded):
+    batches = budget_batches(LENGTHS, 200, seed=5, epoch=0, padded=padded)
+    assert sorted(i for b in batches for i in b) == list(range(len(LENGTHS)))
+    for b in batches:  # what the device computes: the real tokens packed, rows x longest padded
+        cost = len(b) * max(LENGTHS[i] for i in b) if padded else sum(LENGTHS[i] for i in b)
+        assert cost <= 200
+    # Greedy in length order: no two neighbouring batches (by length) could have been one.
+    assert len(batches) <= sum(LENGTHS) // 200 * 2 + 1
+    # Short texts make big batches, long ones small: the rows differ, the tokens do not much.
+    rows = sorted(len(b) for b in batches)
+    assert rows[0] < rows[-1]
+    # Seeded: the same seed and epoch, the same batches; another epoch another order, and as many batches.
+    assert batches == budget_batches(LENGTHS, 200, seed=5, epoch=0, padded=padded)
+    other = budget_batches(LENGTHS, 200, seed=5, epoch=1, padded=padded)
+    assert other != batches and len(other) == len(batches)
+
+
+def test_a_text_longer_than_the_budget_goes_alone():
+    batches = budget_batches([5, 50, 6], 20, seed=0, epoch=0, padded=False)
+    assert sorted(map(sorted, batches)) == [[0, 2], [1]]
+    with pytest.raises(ValueError, match="--batch-tokens"):
+        budget_batches([5], 0, seed=0, epoch=0, padded=False)
+
+
+def test_token_budget_steps_are_shared_out_like_accumulation_on_one_process():
+    """Two processes take every other batch of the one list: step k's micro-batches on both are exactly the two
+    micro-batches one process accumulates in step k with --grad-accum 2, and each step's row count is shared."""
+    s1 = TrainSettings(batch_tokens=150, grad_accum=2, seed=2)
+    s2 = TrainSettings(batch_tokens=150, grad_accum=1, seed=2)
+    one, rows_one = epoch_plan(LENGTHS, 3, s1, Processes())
+    two = [epoch_plan(LENGTHS, 3, s2, Processes(rank=r, world_size=2)) for r in (0, 1)]
+    assert rows_one == two[0][1] == two[1][1]
+    pairs = [list(p) for p in zip(two[0][0], two[1][0], strict=True)]
+    assert pairs == [[one[2 * k], one[2 * k + 1]] for k in range(len(rows_one))]
+    assert rows_one == [len(one[2 * k]) + len(one[2 * k + 1]) for k in range(len(rows_one))]
+    assert check_enough_data(len(LENGTHS), s1, Processes(), LENGTHS) == len(rows_one)
+    with pytest.raises(ValueError, match="lengths"):
+        check_enough_data(len(LENGTHS), s1, Processes())
+    with pytest.raises(ValueError, match="fewer than one step"):
+        check_enough_data(len(LENGTHS), TrainSettings(batch_tokens=10_000, grad_accum=2), Processes(), LENGTHS)
+
+
+def test_a_token_budget_step_has_the_gradient_of_the_mean_over_all_its_rows():
+    """Micro-batches of 3 and 9 rows in one step: the gradient is that of one batch of all 12 rows (a mean of the
+    two means would weigh the 3 rows three times as much as the 9)."""
+    from llama_scratch import Llama, LlamaClassifier, LlamaConfig
+    from llama_scratch.training.loop import train_step
+
+    torch.manual_seed(0)
+    ids = [[1 + (i * 7 + j) % 100 for j in range(4 + i % 5)] for i in range(12)]
+    split = TokenizedSplit(ids, [i % 2 for i in range(12)])
+    clf = LlamaClassifier(Llama(LlamaConfig.from_name("tiny")), num_classes=2, train_last=1)
+    s = TrainSettings(batch_tokens=64, grad_accum=2)
+
+    def grads(step_rows, rows_in_step, settings):
+        clf.zero_grad(set_to_none=True)
+        train_step(clf, split, step_rows, settings, Replicated(), rows_in_step=rows_in_step)
+        return [p.grad.clone() for p in clf.parameters() if p.requires_grad]
+
+    apart = grads([list(range(3)), list(range(3, 12))], 12, s)
+    whole = grads([list(range(12))], None, TrainSettings())
+    for a, w in zip(apart, whole, strict=True):
+        torch.testing.assert_close(a, w, rtol=1e-5, atol=1e-7)  # float32 sums in another order
 
 
 def test_learning_rate_warms_up_then_decays_to_a_tenth():

@@ -56,6 +56,13 @@ def with_margin(n: int) -> int:
     return int(n * 1.05) + GiB // 2
 
 
+def planned_rows(batch_size: int, batch_tokens: int | None, seq_len: int) -> int:
+    """Rows of `seq_len` tokens a micro-batch is planned as. With a budget of `batch_tokens` (`--batch-tokens`) a
+    batch holds at most that many tokens, or one text longer than it: the plan takes enough whole rows of the
+    longest text to hold the budget, which covers both (activations grow with the tokens, however cut)."""
+    return batch_size if batch_tokens is None else max(1, -(-batch_tokens // seq_len))
+
+
 @dataclass(frozen=True)
 class PlanInputs:
     """What the memory plan is given: a training run as memory sees it (the model, the batch, what trains, the

@@ -18,7 +18,7 @@ import torch
 from ..model.config import PRESETS, LlamaConfig, parse_dtype
 from ..model.lora import LoRASettings
 from .advice import STAGES, advice_lines, advise, in_gib, misfit, replan, smallest_world
-from .memory import FP32, NF4_BLOCK, QUANTIZE, GiB, MemoryPlan, PlanInputs, plan_memory, with_margin
+from .memory import FP32, NF4_BLOCK, QUANTIZE, GiB, MemoryPlan, PlanInputs, plan_memory, planned_rows, with_margin
 
 SCRATCH_PRESETS = ("tiny",)  # presets with no published checkpoint: only ever trained from random weights
 
@@ -266,10 +266,13 @@ def plan_command(args, cfg: LlamaConfig, train_last: int | None, lora: LoRASetti
     notes = []
     if args.max_length is None:
         notes.append("no --max-length given: planned for 512 tokens a text (a batch holds at most batch size x that)")
+    seq_len = args.max_length or 512
+    if getattr(args, "batch_tokens", None) is not None:
+        notes.append(f"--batch-tokens {args.batch_tokens}: planned as batches of that many tokens")
     inputs = PlanInputs(
         cfg=cfg,
-        batch_size=args.batch_size,
-        seq_len=args.max_length or 512,
+        batch_size=planned_rows(args.batch_size, getattr(args, "batch_tokens", None), seq_len),
+        seq_len=seq_len,
         train_last=train_last,
         dtype=dtype,
         optimizer_state=args.optimizer_state,

@@ -2,14 +2,15 @@
 `eval_every` steps), the best weights by the measure asked (`select_by`), and
 checkpoints that let an interrupted run continue to exactly the weights an uninterrupted run would reach.
 
-One optimizer step = `grad_accum` micro-batches of `batch_size` rows on each of `world_size` processes.
+One optimizer step = `grad_accum` micro-batches on each of `world_size` processes; a micro-batch is `batch_size`
+rows, or (`batch_tokens`) as many texts of similar length as fit a budget of tokens.
 """
 
 from __future__ import annotations
 
 import math
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import ClassVar
@@ -37,6 +38,9 @@ class TrainSettings:
     max_steps: int | None = None  # stop after this many optimizer steps (the schedule is shortened to match)
     min_steps: int = 100  # small data: the command raises the epochs until training takes at least this many steps
     batch_size: int = 8  # rows per process per micro-batch
+    # A budget of tokens per micro-batch instead (None: batch_size rows): texts grouped by length, so a batch of
+    # short texts holds many rows and one of long texts few, and every micro-batch is about equally much work.
+    batch_tokens: int | None = None
     grad_accum: int = 1
     lr: float = 2e-4  # for pretrained weights, which are only adjusted, gently
     lr_fresh: ClassVar[float] = 1e-3  # weights that start from nothing: LoRA (98.67% on SMS, 97.67% at 2e-4), scratch
@@ -120,9 +124,76 @@ def epoch_batches(n: int, epoch: int, s: TrainSettings, processes: Processes) ->
     return [order[i : i + s.batch_size] for i in range(0, usable, s.batch_size)]
 
 
-def check_enough_data(n_train: int, s: TrainSettings, processes: Processes) -> int:
-    """Optimizer steps per epoch (as `epoch_batches` makes them); a clear error when there is not one full step."""
+def budget_batches(lengths: Sequence[int], budget: int, seed: int, epoch: int, padded: bool) -> list[list[int]]:
+    """Every row in micro-batches of at most `budget` tokens (a longer text alone in its own), in an order fixed by
+    (seed, epoch): the same on every process, which each take their share (`epoch_plan`).
+
+    The rows are shuffled, then sorted by length (a stable sort: texts of equal length stay shuffled), and cut
+    greedily where the next text would overflow the budget; then the batches' order is shuffled. Texts of similar
+    length share a batch, so a padded batch wastes little and a packed one pads little inside attention. A
+    batch's cost is its real tokens when packed, rows x longest when padded (`padded`): what the device computes.
+
+    Sorting before cutting makes the number of batches the same in every epoch (the cuts depend on the sorted
+    lengths alone), so the schedule's length is known before training starts.
+    """
+    if budget < 1:
+        raise ValueError(f"--batch-tokens must be a positive number of tokens, got {budget}")
+    g = torch.Generator().manual_seed(seed + epoch)
+    order = sorted(torch.randperm(len(lengths), generator=g).tolist(), key=lengths.__getitem__)
+    batches: list[list[int]] = []
+    current: list[int] = []
+    tokens = 0
+    for i in order:
+        n = lengths[i]  # the longest so far: the rows come shortest first
+        cost = (len(current) + 1) * n if padded else tokens + n
+        if current and cost > budget:
+            batches.append(current)
+            current, tokens = [], 0
+        current.append(i)
+        tokens += n
+    if current:
+        batches.append(current)
+    return [batches[k] for k in torch.randperm(len(batches), generator=g).tolist()]
+
+
+def epoch_plan(
+    lengths: Sequence[int], epoch: int, s: TrainSettings, processes: Processes
+) -> tuple[list[list[int]], list[int] | None]:
+    """This process's micro-batches for one epoch, and with `batch_tokens` the rows of each optimizer step over
+    all processes (None with `batch_size`: every micro-batch has that many rows).
+
+    A token budget makes micro-batches of different sizes, so a mean over each would weigh a row in a small batch
+    more than one in a large: the step's row count lets each micro-batch's loss count its rows (`train_step`).
+    Every process makes the same list of batches and takes every `world_size`-th: step k's micro-batches on all
+    processes are the k-th window of `world_size x grad_accum` batches, and a last window not full is dropped.
+    """
+    if s.batch_tokens is None:
+        return epoch_batches(len(lengths), epoch, s, processes), None
+    every = budget_batches(lengths, s.batch_tokens, s.seed, epoch, padded=s.padding_side != "packed")
+    window = processes.world_size * s.grad_accum
+    every = every[: len(every) // window * window]
+    step_rows = [sum(len(b) for b in every[i : i + window]) for i in range(0, len(every), window)]
+    return every[processes.rank :: processes.world_size], step_rows
+
+
+def check_enough_data(
+    n_train: int, s: TrainSettings, processes: Processes, lengths: Sequence[int] | None = None
+) -> int:
+    """Optimizer steps per epoch (as `epoch_plan` makes them); a clear error when there is not one full step.
+    With `batch_tokens` the count depends on the texts' `lengths`, which must then be given."""
     world_size = processes.world_size
+    if s.batch_tokens is not None:
+        if lengths is None:
+            raise ValueError("a token budget's steps per epoch depend on the texts' lengths: pass them")
+        steps = len(epoch_plan(lengths, 0, s, processes)[1] or [])
+        if steps == 0:
+            n = len(budget_batches(lengths, s.batch_tokens, s.seed, 0, s.padding_side != "packed"))
+            raise ValueError(
+                f"the training split's {n_train} rows make {n} micro-batches of --batch-tokens {s.batch_tokens}, "
+                f"fewer than one step needs ({s.grad_accum} accumulation x {world_size} processes); lower "
+                "--batch-tokens, --grad-accum or the number of processes"
+            )
+        return steps
     rows_per_process = math.ceil(n_train / world_size)  # DistributedSampler's share, padded with repeats
     steps = rows_per_process // (s.batch_size * s.grad_accum)
     if steps == 0:
@@ -149,9 +220,12 @@ def balanced_weights(labels: list[int] | list[list[int]], num_classes: int) -> l
     return (len(labels) / (num_classes * counts.double())).tolist()
 
 
-def epochs_for_min_steps(n_train: int, s: TrainSettings, processes: Processes) -> int:
-    """Enough epochs for `s.min_steps` optimizer steps: five epochs of a few dozen rows leave a model where it was."""
-    steps = check_enough_data(n_train, s, processes)
+def epochs_for_min_steps(
+    n_train: int, s: TrainSettings, processes: Processes, lengths: Sequence[int] | None = None
+) -> int:
+    """Enough epochs for `s.min_steps` optimizer steps: five epochs of a few dozen rows leave a model where it was.
+    (`lengths`: the training texts', needed with `batch_tokens`; see `check_enough_data`.)"""
+    steps = check_enough_data(n_train, s, processes, lengths)
     return max(s.epochs, math.ceil(s.min_steps / steps))
 
 
@@ -205,9 +279,12 @@ def save_resume_point(
     resume.write_point(path, trainable_state(model), optimizer, scheduler, **plain)
 
 
-def check_same_run(path: Path, record: dict, settings: TrainSettings, identity: dict, partial: bool = False) -> None:
+def check_same_run(
+    path: Path, record: dict, settings: TrainSettings, identity: dict, partial: bool = False, unknown: tuple = ()
+) -> None:
     """Refuse (by name) a resume point whose settings, data or model differ from this run's. `partial`: compare only
-    what `identity` holds, for a look before everything is known (the command's check before the weights load)."""
+    what `identity` holds, for a look before everything is known (the command's check before the weights load);
+    `unknown`: settings not known yet at that look, left out of it."""
     try:
         saved = {**record["settings"], **record["identity"]}
     except (KeyError, TypeError) as e:
@@ -219,6 +296,7 @@ def check_same_run(path: Path, record: dict, settings: TrainSettings, identity: 
     if "multi_label" in now:  # the command's identity has it; a point from before --multi-label had one label a text
         saved.setdefault("multi_label", False)
     if partial:
+        now = {k: v for k, v in now.items() if k not in unknown}
         saved = {k: v for k, v in saved.items() if k in now}
     resume.check_same_run(path, saved, now)
 
@@ -274,15 +352,19 @@ def train_step(
     s: TrainSettings,
     strategy: Strategy,
     weight: torch.Tensor | None = None,
+    rows_in_step: int | None = None,
 ) -> tuple[torch.Tensor, int]:
     """Forward and backward over one optimizer step's micro-batches, gradients accumulating. `weight`: the class
-    weights on the device (`class_weight`; made here when not given).
+    weights on the device (`class_weight`; made here when not given). `rows_in_step`: the step's rows over all
+    processes when micro-batches differ in size (`epoch_plan` with a token budget): each micro-batch's mean loss
+    then counts its rows, so the step's gradient is that of the mean over all its rows, as with equal batches
+    (where None divides by `grad_accum` instead; the processes' gradients are averaged, hence `world_size`).
 
     Returns this process's (loss x rows, correct, rows) for the step, kept on the device so that nothing waits
     for the GPU here (nothing is copied to the device either, but each micro-batch's one non-blocking copy), and
     the tokens the step trained on (all processes), counted on the host from the lengths.
     """
-    device = strategy.device
+    device, world_size = strategy.device, strategy.processes.world_size
     sums = torch.zeros(3, dtype=torch.float64, device=device)
     if weight is None and s.class_weights is not None:
         weight = class_weight(s, device)
@@ -292,12 +374,15 @@ def train_step(
         # Several processes combine their gradients only after the last micro-batch of a step.
         with strategy.gradient_sync(model, j == len(step_rows) - 1):
             logits = forward(model, batch)
-            micro = objective.loss(logits, batch["labels"], weight) / s.grad_accum
-            micro.backward()
+            mean = objective.loss(logits, batch["labels"], weight)
+            if rows_in_step is None:
+                (mean / s.grad_accum).backward()
+            else:
+                (mean * (len(rows) * world_size / rows_in_step)).backward()
         correct = objective.correct(logits, batch["labels"])
-        sums[:2] += torch.stack([micro.detach().double() * s.grad_accum * len(rows), correct.double()])
+        sums[:2] += torch.stack([mean.detach().double() * len(rows), correct.double()])
         sums[2] += len(rows)  # a number the kernel is given: no tensor made on the host and copied
-        tokens += sum(len(split.ids[i]) for i in rows) * strategy.processes.world_size
+        tokens += sum(len(split.ids[i]) for i in rows) * world_size
     return sums, tokens
 
 
@@ -404,7 +489,7 @@ class Loop:
 def train_epoch(loop: Loop, split: TokenizedSplit, state: TrainState) -> bool:
     """One epoch's optimizer steps from where `state` stands; True when it ran to its end (not the step limit)."""
     s, strategy = loop.s, loop.strategy
-    batches = epoch_batches(len(split.ids), state.epoch, s, strategy.processes)
+    batches, step_rows = epoch_plan([len(x) for x in split.ids], state.epoch, s, strategy.processes)
     bar = tqdm(
         total=len(batches) // s.grad_accum,
         initial=state.batches_done // s.grad_accum,
@@ -420,7 +505,8 @@ def train_epoch(loop: Loop, split: TokenizedSplit, state: TrainState) -> bool:
         if patience_spent(state, s):
             return False
     for k in todo:
-        sums, tokens = train_step(loop.model, split, batches[k : k + s.grad_accum], s, strategy, weight)
+        rows_in_step = None if step_rows is None else step_rows[k // s.grad_accum]
+        sums, tokens = train_step(loop.model, split, batches[k : k + s.grad_accum], s, strategy, weight, rows_in_step)
         params = [p for p in loop.model.parameters() if p.requires_grad]
         norm = nn.utils.clip_grad_norm_(params, s.clip_grad if s.clip_grad > 0 else float("inf"))
         norm = strategy.full_norm(norm.detach()).to(sums).view(1)  # sharded: the norm of all the rows
@@ -495,7 +581,8 @@ def train(
     `run_identity` (model, data, ...) is stored with each resume point with the number of processes; resuming
     under another refuses.
     """
-    steps_per_epoch = check_enough_data(len(splits["train"].ids), s, strategy.processes)
+    lengths = [len(x) for x in splits["train"].ids]
+    steps_per_epoch = check_enough_data(len(lengths), s, strategy.processes, lengths)
     total = steps_per_epoch * s.epochs if s.max_steps is None else min(s.max_steps, steps_per_epoch * s.epochs)
     optimizer = make_optimizer(model, s)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: lr_factor(step, total, s))
