@@ -200,9 +200,11 @@ def attention_backends(run: Callable[[], object], device: torch.device) -> dict:
     except torch.OutOfMemoryError:  # the step's own failure, not the profiler's
         raise
     except RuntimeError as e:  # CUPTI missing or busy: the evidence is lost, not the run (the caller checks it ran)
-        return {"backend": "unknown", "calls": {}, "kernels": [], "error": f"profiler: {e}"}
+        return {"backend": "unknown", "calls": {}, "kernels": [], "launches": None, "error": f"profiler: {e}"}
     calls = Counter(SDPA_OPS[e.name] for e in events if e.name in SDPA_OPS)
     on_device = [e.name for e in events if e.device_type == torch.autograd.DeviceType.CUDA]  # kernels, not ops
     kernels = sorted({name for name in on_device if any(w in name.lower() for w in _KERNEL_WORDS)})
     backend = "+".join(name for name, _ in calls.most_common()) or "none seen"
-    return {"backend": backend, "calls": dict(calls), "kernels": [k[:120] for k in kernels[:8]], "error": None}
+    launches = len(on_device) if device.type == "cuda" else None  # kernels, copies and fills on the device
+    kernels = [k[:120] for k in kernels[:8]]
+    return {"backend": backend, "calls": dict(calls), "kernels": kernels, "launches": launches, "error": None}

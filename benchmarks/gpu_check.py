@@ -17,7 +17,13 @@ text is its UTF-8 bytes, about 4x the tokens Llama-3's own tokenizer makes of it
    attention backend, common.attention_backends), then --steps timed ones (tokens/s, MFU on gpu_8b.model_flops,
    host syncs counted by torch.cuda.set_sync_debug_mode("warn"), the last step's loss). Peak memory over all the
    steps is set beside `plan_memory`'s for the same run. Only evaluation and the output files are left out.
-3. DIR/gpu_check.json (rewritten after each recipe, so a timeout still leaves what ran) and DIR/gpu_check.md (also
+3. The peer (benchmarks/peer_step.py, unless --no-peer): after each recipe, transformers'
+   `LlamaForSequenceClassification` (+ PEFT for LoRA) in a process of its own, on the same checkpoint, the same
+   micro-batches (the rows of our timed steps), the same head's starting weights and the same trained parameters,
+   timed the same way: `peer_tokens_per_s`, `ratio_vs_peer` (ours over the peer's), `peer_peak_gib`, and the first
+   step's loss on both sides (equal but for rounding). Kernel launches per step (`launches_per_step`, the profiler's
+   device events in one step) on both sides.
+4. DIR/gpu_check.json (rewritten after each recipe, so a timeout still leaves what ran) and DIR/gpu_check.md (also
    printed). A recipe that fails (out of memory, say) is reported with its error and the next one runs; the exit
    status is 1 only if none ran.
 """
@@ -32,6 +38,8 @@ import io
 import json
 import math
 import os
+import shutil
+import subprocess
 import sys
 import tempfile
 import time
@@ -52,6 +60,7 @@ from llama_scratch.finetune_classifier import (  # noqa: E402
     Job,
     build_classifier,
     choose_model,
+    compile_token_wise,
     read_data,
     replica_plan_inputs,
     tokenize,
@@ -64,7 +73,7 @@ from llama_scratch.training.loop import (  # noqa: E402
     Loop,
     TrainState,
     check_enough_data,
-    epoch_batches,
+    epoch_plan,
     lr_factor,
     make_optimizer,
     train_epoch,
@@ -79,6 +88,7 @@ class Recipe:
     name: str
     shape: str
     flags: tuple[str, ...]
+    batch_tokens: int | None = None  # --batch-tokens on a GPU (QUICK_BATCH_TOKENS under --quick); None: --batch-size
 
 
 RECIPES = [
@@ -86,7 +96,11 @@ RECIPES = [
     Recipe("8b-lora8", "8b", ("--lora", "8")),  # default targets, in the default 2 trained blocks
     Recipe("small-all", "small", ("--train-last", "all")),
     Recipe("8b-nf4-lora8", "8b", ("--lora", "8", "--quantize", "nf4")),  # QLoRA: the frozen base in 4 bits
+    # LoRA in every block: no frozen prefix to cache, every step runs the whole model, at a budget of tokens.
+    Recipe("8b-lora8-all-8k", "8b", ("--lora", "8", "--train-last", "all"), batch_tokens=8192),
+    Recipe("small-all-8k", "small", ("--train-last", "all"), batch_tokens=8192),
 ]
+QUICK_BATCH_TOKENS = 512  # the tiny shapes' budget: a few texts a batch, as 8,192 tokens are dozens on a GPU
 PROFILE_STEPS = 3  # --profile: optimizer steps recorded by torch.profiler after the timed ones
 
 # Each shape as (on a GPU, under --quick). "small" is SmolLM2-135M's, the default job's model; --quick's stand-in
@@ -110,6 +124,7 @@ SHAPES = {"8b": (LlamaConfig.from_name("llama3-8b", dtype=torch.bfloat16), QUICK
 
 # Every recipe's entry holds these keys (null where a figure needs a GPU, or where the recipe failed).
 RECIPE_KEYS = (
+    "batch_tokens",
     "train_tokens_per_s",
     "mfu",
     "syncs_per_step",
@@ -119,6 +134,10 @@ RECIPE_KEYS = (
     "plan_peak_gib",
     "measured_peak_gib",
     "load_peak_over_checkpoint",
+    "launches_per_step",
+    "peer_tokens_per_s",
+    "ratio_vs_peer",
+    "peer_peak_gib",
 )
 
 STARTED = time.perf_counter()
@@ -197,12 +216,27 @@ class Steps:
         model.train()
 
     def to(self, step: int) -> float:
-        """Train until `step` optimizer steps in all; the mean loss of the steps this call ran."""
+        """Train until `step` optimizer steps in all, into the next epochs if need be; the mean loss of the steps
+        this call ran."""
         before = list(self.state.row_sums)
         self.loop.total = step
-        train_epoch(self.loop, self.split, self.state)
+        while self.state.step < step:
+            if train_epoch(self.loop, self.split, self.state):  # the epoch's end: on to the next (no evaluation)
+                self.state.epoch, self.state.batches_done = self.state.epoch + 1, 0
         loss, _, rows = (a - b for a, b in zip(self.state.row_sums, before, strict=True))
         return loss / rows if rows else math.nan
+
+
+def planned_steps(split, settings, strategy: Strategy, n: int) -> list[list[list[int]]]:
+    """The rows of the first `n` optimizer steps as `Steps` trains them (epoch after epoch): per step, its
+    micro-batches (what the peer is given, and what the FLOPs count)."""
+    lengths, out, epoch = [len(x) for x in split.ids], [], 0
+    while len(out) < n:
+        batches, _ = epoch_plan(lengths, epoch, settings, strategy.processes)
+        a = settings.grad_accum
+        out += [batches[k : k + a] for k in range(0, len(batches) // a * a, a)]
+        epoch += 1
+    return out[:n]
 
 
 def total_steps(args: argparse.Namespace) -> int:
@@ -270,14 +304,15 @@ def prepare(recipe: Recipe, ckpt: Path, args: argparse.Namespace, strategy: Stra
     total = total_steps(args)
     flags = ["--model", str(ckpt), "--device", args.device, "--batch-size", str(args.batch_size)]
     flags += ["--epochs", "1", "--max-steps", str(total), "--save-every", str(10**9), "--output", str(work)]
-    fargs = finetune_args([*flags, *recipe.flags])
+    budget = args.batch_tokens or recipe.batch_tokens
+    if budget is not None:
+        flags += ["--batch-tokens", str(min(budget, QUICK_BATCH_TOKENS) if args.quick else budget)]
+    fargs = finetune_args([*flags, *recipe.flags, *args.flags.split()])
     data, parts, protocol = read_data(fargs, log)
     choice = choose_model(fargs, strategy, log)
     job = Job(fargs, strategy, time.perf_counter(), data, parts, protocol, choice, work)
     labels = parts["train"].labels
     settings = train_settings(fargs, choice.from_scratch, labels, data.num_classes, strategy.processes, log)
-    if (per_epoch := check_enough_data(len(labels), settings, strategy.processes)) < total:
-        raise ValueError(f"{per_epoch} optimizer steps in an epoch: --warmup + --steps must fit in one")
     free(strategy.device)  # the load's own peak: with --quantize, what the 4-bit base costs to stream in
     start = time.perf_counter()
     clf, tokenizer, _ = build_classifier(job, log)
@@ -287,6 +322,8 @@ def prepare(recipe: Recipe, ckpt: Path, args: argparse.Namespace, strategy: Stra
         ckpt_bytes = sum(f.stat().st_size for f in Path(ckpt).glob("*.safetensors"))
         figures["load_peak_over_checkpoint"] = torch.cuda.max_memory_allocated(strategy.device) / ckpt_bytes
     splits, max_length = tokenize(parts, tokenizer, clf.backbone.cfg.max_seq_len, fargs.max_length, log)
+    lengths = [len(x) for x in splits["train"].ids]
+    check_enough_data(len(lengths), settings, strategy.processes, lengths)  # at least one step (Steps goes on)
     start = time.perf_counter()
     cached = use_cache(fargs.cache_frozen, clf, {k: v.ids for k, v in splits.items()}, strategy, log)
     figures |= {"frozen_prefix_cache": cached, "cache_gib": None}
@@ -295,23 +332,108 @@ def prepare(recipe: Recipe, ckpt: Path, args: argparse.Namespace, strategy: Stra
         splits = cache_splits(clf, splits, settings.eval_rows, strategy)
         sync(strategy.device)
     figures["cache_seconds"] = time.perf_counter() - start
+    if fargs.compile:  # where the command compiles: after the cache, before the wrapper
+        compile_token_wise(clf)
     plan = plan_memory(dataclasses.replace(replica_plan_inputs(job), seq_len=max_length))
     figures |= {"max_length": max_length, "plan_peak_gib": plan.peak / GiB, "trainable_params": plan.counts.trainable}
     return job, clf, strategy.wrap(clf), splits["train"], settings, figures
 
 
-def run_recipe(recipe: Recipe, ckpt: Path, args: argparse.Namespace, strategy: Strategy, peak: float | None) -> dict:
-    """One recipe, start to end; its figures (see RECIPE_KEYS). Raises on failure: the caller reports it."""
+def peer_job(job: Job, clf, train, settings, rows: list, ckpt: Path, args: argparse.Namespace, to: Path) -> None:
+    """What peer_step.py needs to train as we do: the checkpoint, what trains, the head's starting weights, the
+    optimizer's settings and every step's micro-batches (token ids and labels)."""
+    from safetensors.torch import save_file
+
+    to.mkdir(parents=True, exist_ok=True)
+    save_file({"head.weight": clf.head.weight.detach().float().cpu().contiguous()}, to / "head.safetensors")
+    choice = job.choice
+    lora = choice.lora
+    trained = clf.trainable_parameters()
+    texts = [t for s in rows for b in s for i in b for t in train.ids[i]]
+    if train.pad_id in texts:  # the peer pools at the last token before the first pad: one inside a text misleads it
+        raise ValueError(f"the pad id {train.pad_id} occurs inside a text: the peer would pool at the wrong token")
+    spec = {
+        "checkpoint": str(ckpt),
+        "device": str(job.strategy.device),
+        "dtype": str(choice.dtype).removeprefix("torch."),
+        "num_classes": job.data.num_classes,
+        "pad_id": train.pad_id,
+        "lora": None
+        if lora is None
+        else {
+            "rank": lora.rank,
+            "alpha": lora.alpha if lora.alpha is not None else 2 * lora.rank,
+            "dropout": lora.dropout,
+            "targets": list(lora.targets),
+            "blocks": list(clf.lora_blocks),
+        },
+        "trained_blocks": sorted({int(k.split(".")[2]) for k in trained if k.startswith("backbone.blocks.")}),
+        "final_norm": "backbone.final_norm.weight" in trained,
+        "embeddings": "backbone.embed_tokens.weight" in trained,
+        # transformers has no 4-bit base without bitsandbytes (not on the GPU machine): the peer's stays bfloat16.
+        "note": "the peer's frozen base in the checkpoint's dtype, not 4-bit" if choice.quantize else None,
+        "trained_params": sum(p.numel() for p in trained.values()),
+        "lr": settings.lr,
+        "weight_decay": settings.weight_decay,
+        "clip_grad": settings.clip_grad if settings.clip_grad > 0 else float("inf"),
+        "warmup": args.warmup,
+        "steps": [
+            [{"ids": [train.ids[i] for i in b], "labels": [train.labels[i] for i in b]} for b in step] for step in rows
+        ],
+    }
+    (to / "job.json").write_text(json.dumps(spec))
+
+
+def run_peer(directory: Path, timeout: float) -> dict:
+    """peer_step.py on the job in `directory`, in a process of its own; its figures, or its error."""
+    script = Path(__file__).resolve().parent / "peer_step.py"
+    try:
+        proc = subprocess.run(
+            [sys.executable, str(script), str(directory)], capture_output=True, text=True, timeout=timeout
+        )
+    except subprocess.TimeoutExpired:
+        return {"peer_error": f"timed out after {timeout:.0f} s"}
+    if proc.returncode != 0:
+        return {"peer_error": proc.stderr.strip().splitlines()[-1][:300] if proc.stderr.strip() else "failed"}
+    return json.loads((directory / "peer.json").read_text())
+
+
+def compare(ours: dict, peer: dict, device: torch.device) -> dict:
+    """The peer's figures beside ours: the ratio of tokens per second, and whether both sides began alike (the first
+    step's loss, equal but for rounding: float32 on a CPU, bfloat16 kernels on a GPU; the trained parameters)."""
+    if "peer_error" in peer:
+        log(f"  peer failed: {peer['peer_error']}")
+        return peer
+    tolerance = 0.02 if device.type == "cuda" else 1e-4  # bfloat16 keeps 8 bits of mantissa: 2^-7 per rounding
+    same_start = math.isclose(ours["loss_first"], peer["peer_loss_first"], rel_tol=tolerance)
+    same_params = ours["trainable_params"] == peer["peer_trainable_params"]
+    ratio = ours["train_tokens_per_s"] / peer["peer_tokens_per_s"]
+    log(
+        f"  peer: {peer['peer_tokens_per_s']:,.0f} tokens/s (ours {ratio:.2f}x), first loss "
+        f"{peer['peer_loss_first']:.4f} (ours {ours['loss_first']:.4f}), trained {peer['peer_trainable_params']:,} "
+        f"(ours {ours['trainable_params']:,})"
+    )
+    return peer | {"ratio_vs_peer": ratio, "same_first_loss": same_start, "same_trained_params": same_params}
+
+
+def run_recipe(
+    recipe: Recipe, ckpt: Path, args: argparse.Namespace, strategy: Strategy, peak: float | None, peer_dir: Path
+) -> dict:
+    """One recipe, start to end; its figures (see RECIPE_KEYS). Raises on failure: the caller reports it. With
+    the peer asked for, its job is written to `peer_dir` (peer_job) before our steps change the head."""
     device = strategy.device
     with tempfile.TemporaryDirectory(prefix="gpu-check-run-") as work:
         job, clf, model, train, settings, out = prepare(recipe, ckpt, args, strategy, Path(work))
+        rows = planned_steps(train, settings, strategy, total_steps(args))
+        if args.peer:
+            peer_job(job, clf, train, settings, rows[: args.warmup + args.steps], ckpt, args, peer_dir)
         free(device)  # the steps' peak is measured from here: weights, cache and whatever training adds
         steps = Steps(model, train, settings, strategy, total_steps(args), Path(work))
         out["loss_first"] = steps.to(1)  # also allocates the optimizer's state
         steps.to(args.warmup - 1)
         attention = attention_backends(lambda: steps.to(args.warmup), device)  # the last warm-up step, profiled
         steps.to(args.warmup)  # nothing, unless the profiler failed before the step ran
-        out |= {"sdpa_backend": attention["backend"], "sdpa": attention}
+        out |= {"sdpa_backend": attention["backend"], "sdpa": attention, "launches_per_step": attention["launches"]}
         timed = timed_steps(steps, args.warmup, args.warmup + args.steps, device)
         if args.profile:
             profile_steps(steps, args.warmup + args.steps, device, args.out / f"profile_{recipe.name}.txt")
@@ -320,9 +442,7 @@ def run_recipe(recipe: Recipe, ckpt: Path, args: argparse.Namespace, strategy: S
     # The plan leaves the cache out (--plan reports it per token of the data): added to it here.
     planned = out["plan_peak_gib"] + (out["cache_gib"] or 0)
     out["peak_over_plan_and_cache"] = out["measured_peak_gib"] / planned if on_gpu else None
-    rows = epoch_batches(len(train.ids), 0, settings, strategy.processes)
-    rows = rows[args.warmup * settings.grad_accum : (args.warmup + args.steps) * settings.grad_accum]
-    lengths = [len(train.ids[i]) for batch in rows for i in batch]
+    lengths = [len(train.ids[i]) for step in rows[args.warmup : args.warmup + args.steps] for b in step for i in b]
     choice, cached = job.choice, out["frozen_prefix_cache"]
     flops = step_flops(clf.backbone.cfg, choice.train_last, cached, choice.lora is not None, lengths)
     tflops = flops / timed["seconds"] / 1e12
@@ -331,6 +451,8 @@ def run_recipe(recipe: Recipe, ckpt: Path, args: argparse.Namespace, strategy: S
         "train_last": choice.train_last,
         "lora_rank": choice.lora.rank if choice.lora else None,
         "batch_size": settings.batch_size,
+        "batch_tokens": settings.batch_tokens,
+        "rows_per_step": len(lengths) / args.steps,
         "optimizer_state": settings.optimizer_state,
         "timed_steps": args.steps,
         "timed_seconds": timed["seconds"],
@@ -360,19 +482,26 @@ def markdown(result: dict) -> str:
         f"load_weights: {fmt(result['load_checkpoint_gib'])} GiB in {fmt(result['load_seconds'], '.1f')} s, peak/"
         f"checkpoint {fmt(result['load_peak_ratio'], '.3f')}; {result['total_seconds']:.0f} s in all",
         "",
-        "| recipe | trained params | batch | max len | tokens/s | MFU | syncs/step | attention | loss first -> last "
-        "| peak GiB | plan GiB | cache GiB | load peak/ckpt |",
-        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | --- | --- | ---: | ---: | ---: | ---: |",
+        "| recipe | trained params | batch | max len | tokens/s | MFU | syncs/step | launches/step | attention "
+        "| loss first -> last | peak GiB | plan GiB | cache GiB | load peak/ckpt | peer tokens/s | ours/peer "
+        "| peer first loss | peer peak GiB |",
+        "| --- | ---: | --- | ---: | ---: | ---: | ---: | ---: | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: "
+        "| ---: | ---: |",
     ]
     for r in result["recipes"]:
         if r["error"]:
-            lines.append(f"| {r['name']} | {r['error']} | | | | | | | | | | | |")
+            lines.append(f"| {r['name']} | {r['error']} |" + " |" * 16)
             continue
+        batch = f"{r['batch_tokens']:,} tokens" if r.get("batch_tokens") else str(r["batch_size"])
+        peer = r.get("peer_error") or fmt(r.get("peer_tokens_per_s"), ",.0f")
         lines.append(
-            f"| {r['name']} | {r['trainable_params'] / 1e6:,.1f}M | {r['batch_size']} | {r['max_length']} | "
+            f"| {r['name']} | {r['trainable_params'] / 1e6:,.1f}M | {batch} | {r['max_length']} | "
             f"{r['train_tokens_per_s']:,.0f} | {fmt(r['mfu'], '.1%')} | {fmt(r['syncs_per_step'])} | "
-            f"{r['sdpa_backend']} | {r['loss_first']:.4f} -> {r['loss_last']:.4f} | {fmt(r['measured_peak_gib'])} | "
-            f"{r['plan_peak_gib']:.2f} | {fmt(r.get('cache_gib'))} | {fmt(r.get('load_peak_over_checkpoint'), '.3f')} |"
+            f"{fmt(r.get('launches_per_step'), ',')} | {r['sdpa_backend']} | {r['loss_first']:.4f} -> "
+            f"{r['loss_last']:.4f} | {fmt(r['measured_peak_gib'])} | {r['plan_peak_gib']:.2f} | "
+            f"{fmt(r.get('cache_gib'))} | {fmt(r.get('load_peak_over_checkpoint'), '.3f')} | {peer} | "
+            f"{fmt(r.get('ratio_vs_peer'), '.2f')} | {fmt(r.get('peer_loss_first'), '.4f')} | "
+            f"{fmt(r.get('peer_peak_gib'))} |"
         )
     return "\n".join(lines)
 
@@ -416,6 +545,19 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         help=f"then {PROFILE_STEPS} steps under torch.profiler: OUT/profile_RECIPE.txt",
     )
     p.add_argument("--batch-size", type=int, default=8, help="rows per optimizer step (default: 8)")
+    p.add_argument(
+        "--batch-tokens",
+        type=int,
+        metavar="N",
+        help="every recipe at a budget of N tokens a micro-batch (default: each recipe's own: RECIPES)",
+    )
+    p.add_argument(
+        "--flags",
+        default="",
+        help="more finetune flags for every recipe, one string: --flags=--compile (default: none)",
+    )
+    p.add_argument("--no-peer", dest="peer", action="store_false", help="skip transformers + PEFT beside each recipe")
+    p.add_argument("--peer-timeout", type=float, default=300, help="seconds the peer may take a recipe (default: 300)")
     p.add_argument("--peak-tflops", type=float, help="the device's dense bf16 peak, if gpu_8b's table lacks it")
     p.add_argument(
         "--no-cudnn-attention",
@@ -501,13 +643,18 @@ def check(args: argparse.Namespace, argv: list[str] | None) -> int:
         log(f"recipe {recipe.name}: {' '.join(recipe.flags)}")
         entry = {"name": recipe.name, "shape": recipe.shape, "flags": list(recipe.flags), "error": None}
         entry |= dict.fromkeys(RECIPE_KEYS)
+        peer_dir = Path(tempfile.mkdtemp(prefix=f"gpu-check-peer-{recipe.name}-"))
         try:
-            entry |= run_recipe(recipe, ckpts[recipe.shape], args, strategy, result["peak_bf16_tflops"])
+            entry |= run_recipe(recipe, ckpts[recipe.shape], args, strategy, result["peak_bf16_tflops"], peer_dir)
         except Exception as e:  # out of memory or anything else: reported, and the next recipe runs
             entry["error"] = f"{type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ''}"[:300]
             entry["traceback"] = traceback.format_exc()[-3000:]
             print(entry["traceback"][-1500:], file=sys.stderr, flush=True)  # the device returns 12,000 characters
-        free(device)
+        free(device)  # all ours given back before the peer's process starts
+        if args.peer and entry["error"] is None:
+            log(f"recipe {recipe.name}: the peer (transformers + PEFT) in its own process ...")
+            entry |= compare(entry, run_peer(peer_dir, args.peer_timeout), device)
+        shutil.rmtree(peer_dir, ignore_errors=True)
         result["recipes"].append(entry)
         write_json(result, args.out)
         log(f"recipe {recipe.name}: " + (entry["error"] or ", ".join(f"{k} {entry[k]}" for k in RECIPE_KEYS)))

@@ -42,12 +42,22 @@ def test_quick_cpu_mode_reports_every_recipe(tmp_path):
         assert recipe["sdpa_backend"] not in ("unknown", "none seen"), recipe["sdpa"]
         # Only a GPU has these figures: null, never made up.
         assert recipe["mfu"] is recipe["syncs_per_step"] is recipe["measured_peak_gib"] is None
+        assert recipe["launches_per_step"] is recipe["peer_peak_gib"] is None
+        # The peer ran beside it, from the same start: the same trained parameters, and (float32 on the CPU) the
+        # same first loss, but where our base is 4-bit and the peer's is not.
+        assert recipe.get("peer_error") is None and recipe["peer_tokens_per_s"] > 0, recipe.get("peer_error")
+        assert recipe["ratio_vs_peer"] == pytest.approx(recipe["train_tokens_per_s"] / recipe["peer_tokens_per_s"])
+        assert recipe["same_trained_params"], (recipe["trainable_params"], recipe["peer_trainable_params"])
+        assert recipe["same_first_loss"] == ("--quantize" not in recipe["flags"]), recipe["name"]
+        assert recipe["batch_tokens"] == (gpu_check.QUICK_BATCH_TOKENS if recipe["name"].endswith("-8k") else None)
     cached = {r["name"]: r["frozen_prefix_cache"] for r in result["recipes"]}
     assert cached == {
         "8b-last2": True,
         "8b-lora8": True,
         "small-all": False,
         "8b-nf4-lora8": True,
+        "8b-lora8-all-8k": False,
+        "small-all-8k": False,
     }  # the real path's cache, where it applies
     assert set(result["summary"]["ran"]) == set(cached) and not result["summary"]["failed"]
     table = (out / "gpu_check.md").read_text()
