@@ -48,8 +48,10 @@ def build(job: dict, directory: Path, device: torch.device):
     from safetensors.torch import load_file
 
     dtype = getattr(torch, job["dtype"])
+    # Straight onto the GPU (device_map): not 16 GB through host memory first.
+    where = {"device_map": str(device)} if device.type == "cuda" else {}
     model = transformers.LlamaForSequenceClassification.from_pretrained(
-        job["checkpoint"], num_labels=job["num_classes"], dtype=dtype, attn_implementation="sdpa"
+        job["checkpoint"], num_labels=job["num_classes"], dtype=dtype, attn_implementation="sdpa", **where
     ).to(device)
     model.config.pad_token_id = job["pad_id"]
     with torch.no_grad():
