@@ -72,13 +72,12 @@ from llama_scratch.training.loop import (  # noqa: E402
     RESUME_FILE,
     Loop,
     TrainState,
-    check_enough_data,
-    epoch_plan,
     lr_factor,
     make_optimizer,
     train_epoch,
 )
 from llama_scratch.training.prefix_cache import cache_bytes, cache_splits, distinct_texts, use_cache  # noqa: E402
+from llama_scratch.training.steps import check_enough_data, epoch_plan  # noqa: E402
 
 
 @dataclasses.dataclass(frozen=True)

@@ -59,7 +59,6 @@ from .training.loop import (
     TrainSettings,
     balanced_weights,
     check_same_run,
-    epochs_for_min_steps,
     train,
 )
 from .training.prefix_cache import cache_splits, use_cache
@@ -74,6 +73,7 @@ from .training.run_dir import (
     start_output,
     write_results,
 )
+from .training.steps import raise_epochs
 
 
 def train_settings(
@@ -105,22 +105,8 @@ def train_settings(
     if args.batch_tokens is not None and args.batch_tokens < 1:
         raise ValueError(f"--batch-tokens must be a positive number of tokens, got {args.batch_tokens}")
     if args.batch_tokens is None:  # a token budget's steps depend on the texts' lengths: after tokenizing
-        raise_epochs(args, settings, len(train_labels), processes, log)
+        raise_epochs(settings, args.epochs is not None, len(train_labels), processes, log)
     return settings
-
-
-def raise_epochs(
-    args: argparse.Namespace, settings: TrainSettings, n_train: int, processes: Processes, log, lengths=None
-) -> None:
-    """Without --epochs, more epochs for small data, to reach --min-steps optimizer steps (`lengths`: the training
-    texts' token counts, which a --batch-tokens run needs to count its steps)."""
-    epochs = epochs_for_min_steps(n_train, settings, processes, lengths)
-    if args.epochs is None and epochs > settings.epochs:
-        log(
-            f"{n_train:,} training rows make few optimizer steps: {epochs} epochs instead of "
-            f"{settings.epochs}, for at least {settings.min_steps} steps (--epochs or --min-steps to choose)"
-        )
-        settings.epochs = epochs
 
 
 @dataclass
@@ -310,7 +296,7 @@ def run(args: argparse.Namespace, progress: Progress | None = None) -> dict:
     splits, max_length = tokenize(parts, tokenizer, clf.backbone.cfg.max_seq_len, args.max_length, log)
     if args.batch_tokens is not None:
         lengths = [len(x) for x in splits["train"].ids]
-        raise_epochs(args, settings, len(lengths), strategy.processes, log, lengths)
+        raise_epochs(settings, args.epochs is not None, len(lengths), strategy.processes, log, lengths)
     n_train = sum(p.numel() for p in clf.trainable_parameters().values())
     log(
         f"training {n_train:,} of {sum(p.numel() for p in clf.parameters()):,} parameters on {strategy.device} in "

@@ -137,7 +137,7 @@ def syncs_in_an_epoch(side: str, cached: bool, grad_accum: int, monkeypatch) -> 
     if cached:
         split = cache_splits(clf, {"train": split}, 4, Replicated())["train"]
     gpu, optimizer = SimulatedGPU(), train.make_optimizer(clf, settings)  # its step is counted too
-    monkeypatch.setattr(train, "epoch_batches", uncounted(gpu, train.epoch_batches))
+    monkeypatch.setattr(train, "epoch_plan", uncounted(gpu, train.epoch_plan))
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0)
     loop = train.Loop(clf, optimizer, scheduler, settings, Replicated(device=torch.device("cuda")), 3, None, {})
     with gpu, SizedByValues(gpu):
@@ -207,7 +207,7 @@ def test_evaluations_inside_an_epoch_read_the_device_once_each(monkeypatch):
     torch.manual_seed(0)
     clf = LlamaClassifier(Llama(LlamaConfig.from_name("tiny")), num_classes=3, train_last=2)
     gpu, optimizer = SimulatedGPU(), train.make_optimizer(clf, settings)
-    monkeypatch.setattr(train, "epoch_batches", uncounted(gpu, train.epoch_batches))
+    monkeypatch.setattr(train, "epoch_plan", uncounted(gpu, train.epoch_plan))
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0)
     loop = train.Loop(clf, optimizer, scheduler, settings, Replicated(device=torch.device("cuda")), 3, None, {})
     loop.val, loop.log, loop.save_point = texts(6), lambda *a: None, lambda state: None  # no resume file here

@@ -8,14 +8,8 @@ import torch
 
 from llama_scratch.data.batching import TokenizedSplit
 from llama_scratch.parallel.strategy import Processes, Replicated
-from llama_scratch.training.loop import (
-    TrainSettings,
-    budget_batches,
-    check_enough_data,
-    epoch_batches,
-    epoch_plan,
-    lr_factor,
-)
+from llama_scratch.training.loop import TrainSettings, lr_factor
+from llama_scratch.training.steps import budget_batches, check_enough_data, epoch_batches, epoch_plan
 
 
 def test_epoch_batches_are_seeded_and_shared_out_like_one_process():
