@@ -1,5 +1,6 @@
 """--plan with a quantized base (--quantize nf4|int8): the bytes the quantized layout holds, counted by hand; what
-autograd keeps of a dequantized weight; the command as a user types it; and docs/scaling.md's quantized table."""
+autograd keeps of a quantized weight (its codes, no dequantized copy); the command as a user types it; and
+docs/scaling.md's quantized table."""
 
 import dataclasses
 import re
@@ -7,11 +8,11 @@ from pathlib import Path
 
 import pytest
 import torch
-from torch.nn.utils import parametrize
 
 from llama_scratch import Llama, LlamaClassifier, LlamaConfig
 from llama_scratch import finetune_classifier as command
-from llama_scratch.model.lora import LoRASettings
+from llama_scratch.model.lora import LoRASettings, lora_layers
+from llama_scratch.model.quantize import QuantizedLinear, quantize_linears
 from llama_scratch.planning.memory import GiB, PlanInputs, plan_memory
 
 # Every linear's input a multiple of 64 (NF4's block), and an untied lm_head unless a test ties it.
@@ -60,40 +61,36 @@ def test_quantized_weights_are_the_layout_counted_by_hand(kind, tie, lora):
     assert bf16.weights == held + 2 * rest + rope  # the scales are float32 whatever the compute dtype
 
 
-def test_dequantized_weights_saved_for_backward_are_what_autograd_keeps():
-    """A quantized LoRA projection computes F.linear(x, a freshly dequantized weight): autograd keeps that tensor
-    for x's gradient whenever x needs one. A parametrization that returns a new tensor at each access (W * 1) does
-    what dequantizing does; the plan's figure is the saved tensors that belong to no parameter, for the default
-    targets and for two subsets (the lowest trained block's input needs no gradient: what it saves depends on them).
-    """
+@pytest.mark.parametrize("kind", ["nf4", "int8"])
+def test_quantized_lora_blocks_save_no_dequantized_weight(kind):
+    """A quantized projection keeps its codes for backward and dequantizes again there (model/quantize.py), so a
+    QLoRA step saves what the same LoRA step over full-precision weights saves: the plan's activations are the
+    unquantized plan's. Checked on the live model, for the default targets and two subsets (the lowest trained
+    block's input needs no gradient: which projections' inputs need one depends on them): no saved tensor is a
+    weight that is not the model's own (a parameter, or a layer's codes and scales)."""
     for targets in [("q", "k", "v", "o", "gate", "up", "down"), ("v",), ("down",)]:
         settings = LoRASettings(4, targets=targets)
         torch.manual_seed(0)
-        clf = LlamaClassifier(Llama(TINY), num_classes=2, train_last=2, lora=settings)
+        backbone = Llama(TINY)
+        quantize_linears(backbone, kind)
+        clf = LlamaClassifier(backbone, num_classes=2, train_last=2, lora=settings)
+        adapted = lora_layers(clf)
+        assert adapted and all(isinstance(m.quantized, QuantizedLinear) for m in adapted)
+        owned = {t.untyped_storage().data_ptr() for t in [*clf.parameters(), *clf.buffers()]}
+        fresh = []
 
-        class Fresh(torch.nn.Module):
-            def forward(self, w: torch.Tensor) -> torch.Tensor:
-                return w * 1
-
-        for i in range(TINY.n_layers):
-            for name, module in clf.backbone.blocks[i].named_modules():
-                if name.endswith(PROJECTIONS):
-                    parametrize.register_parametrization(module, "weight", Fresh())
-        owned = {p.untyped_storage().data_ptr() for p in clf.parameters()}
-        saved = {}
-
-        def pack(t: torch.Tensor, owned=owned, saved=saved) -> torch.Tensor:
+        def pack(t: torch.Tensor, owned=owned, fresh=fresh) -> torch.Tensor:
             # a weight: 64 or more on both sides, where activations have 15 rows (3 x 5 tokens) or 3 (pooled), and
-            # adapters' A x has 4 columns; a parameter's own storage is no new memory
-            storage = t.untyped_storage()
-            if t.dim() == 2 and min(t.shape) >= 64 and storage.data_ptr() not in owned:
-                saved[storage.data_ptr()] = t.numel()
+            # adapters' A x has 4 columns
+            if t.dim() == 2 and min(t.shape) >= 64 and t.untyped_storage().data_ptr() not in owned:
+                fresh.append(tuple(t.shape))
             return t
 
         with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
             clf(torch.randint(0, TINY.vocab_size, (3, 5)))
-        r = PlanInputs(TINY, 3, 5, train_last=2, device_type="cpu", lora=settings, quantize="int8")
-        assert plan_memory(r).dequantized_saved == 4 * sum(saved.values()), targets
+        assert fresh == [], targets
+        r = PlanInputs(TINY, 3, 5, train_last=2, device_type="cpu", lora=settings, quantize=kind)
+        assert plan_memory(r).activations == plan_memory(dataclasses.replace(r, quantize=None)).activations
 
 
 def plan(argv: list[str], capsys) -> tuple[int, str]:

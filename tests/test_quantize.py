@@ -8,6 +8,7 @@ import shutil
 
 import pytest
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from llama_scratch import Llama, LlamaConfig, classify, export_hf, finetune_classifier, load_model
@@ -107,6 +108,111 @@ def test_quantized_linear_computes_with_the_dequantized_weight():
     assert layer(x.double()).dtype == torch.float64
     with pytest.raises(ValueError, match="multiple of 64"):
         QuantizedLinear(100, 4, "nf4", torch.float32)
+
+
+@pytest.mark.parametrize("kind", ["nf4", "int8"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])
+def test_outputs_and_input_gradients_are_bit_identical_to_plain_autograd(kind, dtype):
+    """The layer's own backward (dequantize again, grad_y W) against plain autograd through F.linear on the
+    dequantized weight, the computation it replaces: the same bits, for a batch of rows and a [B, T, in] batch."""
+    torch.manual_seed(0)
+    layer = QuantizedLinear.from_linear(nn.Linear(128, 192, bias=False).to(dtype), kind)
+    for shape in [(5, 128), (2, 7, 128)]:
+        x = torch.randn(shape, dtype=dtype, requires_grad=True)
+        plain_x = x.detach().clone().requires_grad_()
+        grad_y = torch.randn(*shape[:-1], 192, dtype=dtype)
+        y, plain_y = layer(x), F.linear(plain_x, layer.dequantized(dtype))
+        y.backward(grad_y)
+        plain_y.backward(grad_y)
+        assert torch.equal(y, plain_y) and torch.equal(x.grad, plain_x.grad), shape
+    assert not list(layer.parameters()) and not any(b.requires_grad for b in layer.buffers())
+
+
+def saved_for_backward(forward) -> list[torch.Tensor]:
+    """Every tensor autograd saves for backward while `forward()` runs."""
+    saved = []
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        saved.append(t)
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        forward()
+    return saved
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])
+def test_autograd_keeps_the_4_bit_codes_not_the_dequantized_weight(dtype):
+    """Through an NF4 linear, alone and under a LoRA adapter, with an input that needs a gradient: of what autograd
+    saves, nothing is the dequantized weight ([out, in] in the compute dtype) nor as large; the weight is kept as
+    the layer's own codes and scales (its buffers: no new memory). Plain autograd on the dequantized weight, the
+    path this replaces, saves that weight: the hook would see it."""
+    torch.manual_seed(0)
+    layer = QuantizedLinear.from_linear(nn.Linear(128, 192, bias=False).to(dtype), "nf4")
+    x = torch.randn(3, 5, 128, dtype=dtype, requires_grad=True)
+    weight_sized = 192 * 128
+
+    def dense(t: torch.Tensor) -> bool:
+        return t.dtype == dtype and t.numel() >= weight_sized
+
+    plain = saved_for_backward(lambda: F.linear(x, layer.dequantized(dtype)))
+    assert [t.numel() for t in plain if dense(t)] == [weight_sized]  # W, kept as its transpose [in, out]
+    saved = saved_for_backward(lambda: layer(x))
+    assert not any(dense(t) for t in saved)
+    # all it keeps: its own codes and scales (x's gradient needs the weight only, not x)
+    buffers = {layer.codes.data_ptr(), layer.scales.data_ptr()}
+    assert len(saved) == 2 and {t.data_ptr() for t in saved} == buffers
+    assert {(t.dtype, tuple(t.shape)) for t in saved} == {(torch.uint8, (192, 64)), (torch.float32, (192, 2))}
+    adapted = LoRALinear(layer, rank=4, alpha=8)
+    owned = {p.data_ptr() for p in adapted.parameters()} | buffers
+    saved = saved_for_backward(lambda: adapted(x))
+    assert not any(dense(t) for t in saved)
+    assert all(t.data_ptr() in owned or t.numel() < weight_sized // 8 for t in saved)  # else activations only
+
+
+def test_the_linear_matches_torchao_linear_nf4():
+    """torchao's `linear_nf4` (forward dequantizes, backward dequantizes again and returns grad_y W) given our codes
+    and its own scales, against our layer holding the same: outputs and input gradients to float rounding."""
+    from torchao.quantization.quantize_.workflows.nf4.nf4_tensor import linear_nf4, to_nf4
+
+    torch.manual_seed(0)
+    w = torch.randn(192, 256) * 0.02
+    codes, _ = quantize_nf4(w)
+    ref = to_nf4(w, block_size=64, scaler_block_size=256)
+    ref.quantized_data, ref.nf4 = codes.flatten(), NF4
+    their_scales = ref.dequantize_scalers(ref.quantized_scalers, ref.quantization_factor, ref.scaler_block_size)
+    layer = QuantizedLinear(256, 192, "nf4", torch.float32)
+    layer.codes.copy_(codes)
+    layer.scales.copy_(their_scales.reshape(layer.scales.shape))
+    x = torch.randn(2, 7, 256, requires_grad=True)
+    theirs_x = x.detach().clone().requires_grad_()
+    grad_y = torch.randn(2, 7, 192)
+    y, theirs = layer(x), linear_nf4(theirs_x, ref)
+    y.backward(grad_y)
+    theirs.backward(grad_y)
+    assert torch.allclose(y, theirs, rtol=1e-5, atol=1e-6)
+    assert torch.allclose(x.grad, theirs_x.grad, rtol=1e-5, atol=1e-6)
+
+
+def test_a_compiled_qlora_layer_computes_what_the_eager_one_does(monkeypatch):
+    """--compile compiles each block's feed-forward, quantized projections included: the layer's Function traces
+    in one graph (fullgraph) even on its first call on a device, when the code book is first copied there, and
+    gives the eager bits. aot_eager: dynamo and autograd's tracing without a C++ compiler."""
+    from llama_scratch.model import quantize
+
+    monkeypatch.setattr(quantize, "_NF4_ON", {})
+    torch.manual_seed(0)
+    layer = LoRALinear(QuantizedLinear.from_linear(nn.Linear(128, 192, bias=False), "nf4"), rank=4, alpha=8)
+    with torch.no_grad():
+        layer.lora_b.normal_()
+    x = torch.randn(3, 128, requires_grad=True)
+    eager_x = x.detach().clone().requires_grad_()
+    torch._dynamo.reset()
+    y = torch.compile(layer, backend="aot_eager", fullgraph=True)(x)
+    y.sum().backward()
+    eager = layer(eager_x)
+    eager.sum().backward()
+    assert torch.equal(y, eager) and torch.equal(x.grad, eager_x.grad)
 
 
 def test_the_levels_are_copied_to_a_device_once(monkeypatch):

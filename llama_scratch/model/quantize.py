@@ -99,6 +99,11 @@ def dequantize_int8(values: torch.Tensor, scales: torch.Tensor, dtype: torch.dty
     return (values.float() * scales).to(dtype)
 
 
+def dequantize(kind: str, codes: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """The [out, in] weight that a `kind` layer's (codes, scales) stand for, in `dtype`."""
+    return dequantize_nf4(codes, scales, dtype) if kind == "nf4" else dequantize_int8(codes, scales, dtype)
+
+
 def storage(kind: str, out_features: int, in_features: int) -> tuple[tuple, torch.dtype, tuple]:
     """(codes' shape, codes' dtype, scales' shape) of a quantized [out, in] weight."""
     if kind == "nf4":
@@ -108,9 +113,37 @@ def storage(kind: str, out_features: int, in_features: int) -> tuple[tuple, torc
     raise ValueError(f"quantize is one of {', '.join(KINDS)}, not {kind!r}")
 
 
+class FrozenQuantizedLinear(torch.autograd.Function):
+    """y = F.linear(x, W) for a frozen W held as (codes, scales): what autograd keeps for backward is the
+    quantized form, never W itself.
+
+    Through plain autograd, F.linear(x, dequantize(codes, scales)) saves the dequantized W for x's gradient: a
+    fresh [out, in] tensor in the compute dtype per layer, alive from the layer's forward until its backward, so
+    a QLoRA model would hold a full-precision copy of every adapted block's weights during a step, the very memory
+    quantizing saves. Here forward saves the buffers themselves (no new memory) and backward dequantizes again,
+    then grad_x = grad_y W: one more dequantization per layer in exchange (torchao's `linear_nf4` does the same).
+    W is frozen, so no weight gradient. The same dequantization and the same matmuls as the plain path: outputs and
+    input gradients are bit-identical to it (tests/test_quantize.py).
+    """
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, kind: str) -> torch.Tensor:
+        ctx.kind = kind  # the kind, not a dequantizing function: a plain constant for torch.compile to trace
+        ctx.save_for_backward(codes, scales)
+        return F.linear(x, dequantize(kind, codes, scales, x.dtype))
+
+    @staticmethod
+    def backward(ctx, grad_y: torch.Tensor) -> tuple[torch.Tensor | None, None, None, None]:
+        if not ctx.needs_input_grad[0]:
+            return None, None, None, None
+        codes, scales = ctx.saved_tensors
+        return grad_y @ dequantize(ctx.kind, codes, scales, grad_y.dtype), None, None, None
+
+
 class QuantizedLinear(nn.Module):
     """A frozen bias-free linear layer whose weight is held quantized: buffers `codes` and `scales` (nothing to
-    train: no parameters). Its forward dequantizes the weight to the input's dtype, then F.linear.
+    train: no parameters). Its forward dequantizes the weight to the input's dtype, then F.linear; its backward
+    dequantizes it again (FrozenQuantizedLinear), so autograd keeps the codes, never the dequantized weight.
 
     Created empty (possibly on the meta device, as the streaming loader does: `fill_rows` then quantizes the
     weight a few rows at a time as they are read), or from a weight (`from_weight`, `from_linear`).
@@ -157,14 +190,16 @@ class QuantizedLinear(nn.Module):
 
     def dequantized(self, dtype: torch.dtype | None = None) -> torch.Tensor:
         """The [out, in] weight the layer computes with, in `dtype` (default: `compute_dtype`): export, merge."""
-        dtype = dtype or self.compute_dtype
-        if self.kind == "nf4":
-            return dequantize_nf4(self.codes, self.scales, dtype)
-        return dequantize_int8(self.codes, self.scales, dtype)
+        return dequantize(self.kind, self.codes, self.scales, dtype or self.compute_dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # The whole weight is dequantized for each call: a transient [out, in] tensor, freed after the matmul.
-        return F.linear(x, self.dequantized(x.dtype))
+        # The whole weight is dequantized for each call: a transient [out, in] tensor, freed after the matmul, and
+        # dequantized again in backward (FrozenQuantizedLinear), so autograd holds only the codes and scales.
+        if self.kind == "nf4":
+            # The code book's first copy to a device is a side effect torch.compile cannot keep inside a Function:
+            # made here, outside it, the Function only reads it.
+            nf4_levels(self.codes.device)
+        return FrozenQuantizedLinear.apply(x, self.codes, self.scales, self.kind)
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, {self.kind}"

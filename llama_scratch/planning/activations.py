@@ -191,24 +191,3 @@ def outside_blocks_saved_bytes(
     if embedding_trains:
         out["token ids"] = 8 * n  # the embedding keeps its int64 indices
     return out
-
-
-def dequantized_saved_elements(cfg: LlamaConfig, targets: tuple[str, ...], input_grad: bool) -> int:
-    """--quantize under LoRA: elements of the dequantized weights one trained block keeps for backward.
-
-    A quantized projection computes F.linear(x, its weight dequantized) (model/quantize.py, QuantizedLinear). The
-    weight needs no gradient, but autograd keeps it for x's gradient whenever x needs one: a fresh tensor in the
-    compute dtype, alive until the block's backward (an unquantized frozen weight is kept too, but it is the
-    parameter itself: no new memory). x needs a gradient above an adapter, or when the block's input does.
-    `targets`: the adapted projections (lora.TARGETS names); `input_grad`: whether the block's input needs one."""
-    q, kv = cfg.n_heads * cfg.head_dim, cfg.n_kv_heads * cfg.head_dim
-    d, f, t = cfg.dim, cfg.ffn_dim, set(targets)
-    o_in = input_grad or bool(t & {"q", "k", "v"})  # the attention's output
-    ffn_in = o_in or "o" in t  # the residual stream after attention, and so the feed-forward norm's output
-    down_in = ffn_in or bool(t & {"gate", "up"})
-    return (
-        (d * (q + 2 * kv) if input_grad else 0)
-        + (q * d if o_in else 0)
-        + (2 * d * f if ffn_in else 0)
-        + (f * d if down_in else 0)
-    )

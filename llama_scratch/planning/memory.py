@@ -32,7 +32,6 @@ from .activations import (
     backward_work,
     block_forward_work,
     block_saved_bytes,
-    dequantized_saved_elements,
     last_block_saved_bytes,
     norm_saved_bytes,
     outside_blocks_saved_bytes,
@@ -153,24 +152,19 @@ class Quantized:
     held: int = 0  # the frozen linear weights as stored: codes and scales
     full_precision: int = 0  # elements of everything else, held in the parameter dtype
     transient: int = 0  # the largest frozen linear of the blocks being dequantized, its temporaries included
-    saved_first: int = 0  # LoRA: dequantized weights the lowest trained block keeps for backward
-    saved_rest: int = 0  # ... and each block above it (its input needs a gradient)
 
 
 def quantized_parts(r: PlanInputs, counts: ParamCounts) -> Quantized:
-    """The weights as --quantize holds them (the frozen linears, counts.frozen_linears, quantized), the
-    dequantizing's transient and, under LoRA, the dequantized weights that the trained blocks save for backward."""
+    """The weights as --quantize holds them (the frozen linears, counts.frozen_linears, quantized) and the
+    dequantizing's transient. Nothing dequantized is saved for backward: a quantized layer keeps its codes and
+    dequantizes again in backward (model/quantize.py, FrozenQuantizedLinear)."""
     if r.quantize is None:
         return Quantized(full_precision=counts.total)
     s = r.param_dtype.itemsize
     quantized = sum(o * i for o, i in counts.frozen_linears)
-    saved = (0, 0)
-    if r.lora is not None:
-        first = dequantized_saved_elements(r.cfg, r.lora.targets, r.train_last is None)  # the embedding's output
-        saved = (s * first, s * dequantized_saved_elements(r.cfg, r.lora.targets, True))
     transient = dequantizing_bytes(r.quantize, s) * counts.largest_frozen_block_linear
     held = quantized_bytes(r.quantize, counts.frozen_linears)
-    return Quantized(held, counts.total - quantized, transient, *saved)
+    return Quantized(held, counts.total - quantized, transient)
 
 
 def gathered_bytes(r: PlanInputs, counts: ParamCounts) -> tuple[int, int]:
@@ -227,7 +221,6 @@ class MemoryPlan:
     gathered: int = 0  # sharded: whole parameters (and gradients) held beside the shards at once, at most
     quantized: int = 0  # --quantize: the bytes of the frozen linear weights as quantized (within `weights`)
     dequantized: int = 0  # --quantize: one frozen linear being dequantized (its temporaries too), while it runs
-    dequantized_saved: int = 0  # --quantize, LoRA: the dequantized weights saved for backward (in `activations`)
 
     @property
     def persistent(self) -> int:
@@ -380,14 +373,13 @@ def plan_memory(r: PlanInputs) -> MemoryPlan:
     # Trained blocks: k - 1 full ones (checkpointed, if asked) and the classifier's last block, at the pooled rows.
     full = max(k - 1, 0)
     qz = quantized_parts(r, counts)
-    full_first = block_saved_bytes(cfg, b, t, s, r.train_last is None, r.device_type, r.lora) + qz.saved_first
-    full_rest = block_saved_bytes(cfg, b, t, s, True, r.device_type, r.lora) + qz.saved_rest
+    full_first = block_saved_bytes(cfg, b, t, s, r.train_last is None, r.device_type, r.lora)
+    full_rest = block_saved_bytes(cfg, b, t, s, True, r.device_type, r.lora)
     block_full = full_rest if full > 1 or r.train_last is None else full_first
     kept_per_block = s * b * t * cfg.dim if r.gradient_checkpointing else full_rest
     kept_first = s * b * t * cfg.dim if r.gradient_checkpointing else full_first
     last_grad = full > 0 or r.train_last is None
     last = last_block_saved_bytes(cfg, b, t, s, last_grad, r.device_type, r.lora) if k else 0
-    last += (qz.saved_rest if last_grad else qz.saved_first) if k else 0
     shared = sum(outside_blocks_saved_bytes(cfg, b, t, s, k, r.num_classes, r.train_last is None).values())
     activations = shared + last + (kept_first + (full - 1) * kept_per_block if full else 0)
 
@@ -401,9 +393,9 @@ def plan_memory(r: PlanInputs) -> MemoryPlan:
     backward = backward_peak(
         r, cfg, counts, activations, held, (last, kept_first, kept_per_block, full_first, full_rest)
     )
-    # --quantize: each frozen linear is dequantized as it runs, one at a time; in backward only when a checkpointed
-    # LoRA block over quantized weights runs again (without checkpointing, backward reads the saved ones).
-    recomputed = qz.transient if r.lora is not None and r.gradient_checkpointing else 0
+    # --quantize: each frozen linear is dequantized as it runs, one at a time; under LoRA, whose blocks compute over
+    # quantized weights, again in backward, for its input's gradient (and in a checkpointed block's rerun).
+    recomputed = qz.transient if r.lora is not None else 0
     phases = {
         "frozen forward": frozen_work + held + gathered_forward + qz.transient,
         "forward": activations + fwd_work + held + gathered_forward + qz.transient,
@@ -429,5 +421,4 @@ def plan_memory(r: PlanInputs) -> MemoryPlan:
         gathered=max(gathered_forward, gathered_backward),
         quantized=qz.held,
         dequantized=qz.transient,
-        dequantized_saved=qz.saved_first + (k - 1) * qz.saved_rest if k else 0,
     )

@@ -88,9 +88,6 @@ def format_plan(plan: MemoryPlan, gpu: tuple[str, int] | None = None) -> str:
     else:
         what = f"the last block, run at each row's last token ({plan.last_block_activations / GiB:.2f} GiB)"
     row("activations", plan.activations, f"saved for backward: {what if k else 'final norm and head'}")
-    if plan.dequantized_saved:
-        what = "the quantized weights of the LoRA blocks, dequantized for the matmuls and kept for backward"
-        row("  of which weights", plan.dequantized_saved, what)
     if r.gradient_checkpointing and plan.block_activations:
         row("  + recomputed block", plan.block_activations, "one block's saved tensors, rebuilt during backward")
     if plan.frozen_forward:
