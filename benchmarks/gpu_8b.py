@@ -252,7 +252,9 @@ def run_recipe(
     train_last = None if train_last is None else min(train_last, cfg.n_layers)
     clf = LlamaClassifier(backbone, num_classes=2, train_last=train_last).train()
     backbone.gradient_checkpointing = ckpt
-    plan = plan_memory(PlanInputs(cfg, batch, seq, train_last, 2, cfg.dtype, opt_state, ckpt, device_type=device.type))
+    plan = plan_memory(  # its batches are padded ones: clf(ids, mask)
+        PlanInputs(cfg, batch, seq, train_last, 2, cfg.dtype, opt_state, ckpt, device_type=device.type, packed=False)
+    )
     run = Run(name, seq, batch, train_last, ckpt, plan.counts.trainable, steps, plan_bytes=plan.peak)
     gen = torch.Generator(device=device).manual_seed(0)
     ids = torch.randint(0, cfg.vocab_size, (batch, seq), device=device, generator=gen)

@@ -36,7 +36,7 @@ from .model.counts import count_parameters
 from .model.lora import TARGETS, LoRASettings
 from .model.tokenizer import Tokenizer
 from .parallel.strategy import Processes, Strategy, choose_strategy, teardown
-from .planning.memory import PlanInputs, planned_rows
+from .planning.memory import PlanInputs, planned_batch
 from .planning.report import detect_gpu, plan_command, plans_from_scratch, refuse_unfit_replica
 from .sources.devices import choose_dtype, make_deterministic
 from .sources.fetch import DownloadError
@@ -189,8 +189,7 @@ def replica_plan_inputs(job: Job) -> PlanInputs:
     args, choice = job.args, job.choice
     return PlanInputs(
         cfg=config_of(choice.ref),
-        batch_size=planned_rows(args.batch_size, args.batch_tokens, args.max_length or 512),
-        seq_len=args.max_length or 512,
+        **planned_batch(args.batch_size, args.batch_tokens, args.max_length or 512),
         train_last=choice.train_last,
         dtype=choice.dtype,
         optimizer_state=args.optimizer_state,

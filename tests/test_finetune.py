@@ -117,7 +117,8 @@ def test_batch_tokens_trains_plans_and_classifies_as_a_user_types_it(small_csv, 
     rows = capsys.readouterr().out
     assert finetune_classifier.main([*plan, "--batch-tokens", "8192"]) == 0
     budget = capsys.readouterr().out
-    assert "batch 16 x 512 tokens" in rows and "batch 16 x 512 tokens" in budget and "--batch-tokens 8192" in budget
+    assert "batch 16 x 512 tokens" in rows and "--batch-tokens 8192" in budget
+    assert "batch 8,192 tokens packed (16 texts of up to 512 inside attention)" in budget
     assert finetune_classifier.main(args_for(small_csv, tmp_path / "bad", "--batch-tokens", "0")) == 2
     assert "--batch-tokens must be a positive" in capsys.readouterr().err
 

@@ -26,6 +26,8 @@ class ParamCounts:
     block: int  # one transformer block (without adapters)
     block_trained: int  # of a trained block: all of it, or its adapters only
     down_trained: int  # of a trained block's down projection (its first gradient in backward)
+    ffn_trained: int  # of its feed-forward and its norm: the gradients that come before attention's
+    below_attention_trained: int  # of its q, k, v and attention norm: the gradients that come after attention's
     embedding: int
     largest_trainable: int  # elements of the largest trainable tensor
     buffer_bytes: int  # the rotary tables (float32, not in the checkpoint)
@@ -47,7 +49,8 @@ def count_parameters(
 
     `shards` > 1: what one of that many processes holds under FSDP2, which cuts every parameter, frozen ones too, by
     rows: ceil(rows / shards) rows each, the last processes' shares padded to that size. Then `total`, `trainable`,
-    `head`, `block_trained`, `down_trained` and `largest_trainable` are one process's share; `backbone`, `block` and
+    `head`, `block_trained`, `down_trained`, `ffn_trained`, `below_attention_trained` and `largest_trainable`
+    are one process's share; `backbone`, `block` and
     `embedding` stay whole (what is gathered to compute a block or the embedding)."""
     with torch.device("meta"):
         clf = LlamaClassifier(Llama(cfg), num_classes=num_classes, train_last=train_last, lora=lora)
@@ -70,6 +73,13 @@ def count_parameters(
         block=sum(p.numel() for n, p in base.items() if n.startswith(f"blocks.{cfg.n_layers - 1}.")),
         block_trained=sum(numel(p) for p in top.parameters() if p.requires_grad),
         down_trained=sum(numel(p) for p in top.ffn.down_proj.parameters() if p.requires_grad),
+        ffn_trained=sum(numel(p) for m in (top.ffn, top.ffn_norm) for p in m.parameters() if p.requires_grad),
+        below_attention_trained=sum(
+            numel(p)
+            for m in (top.attention.q_proj, top.attention.k_proj, top.attention.v_proj, top.attention_norm)
+            for p in m.parameters()
+            if p.requires_grad
+        ),
         embedding=clf.backbone.embed_tokens.weight.numel(),
         largest_trainable=max((numel(p) for p in trainable), default=0),
         buffer_bytes=sum(b.numel() * b.element_size() for b in clf.backbone.buffers()),

@@ -1,8 +1,13 @@
 """What one block of the classifier saves for backward and the temporaries it makes, in bytes (for plan.py).
 
 Each term names the tensor autograd saves, operation by operation (tests/test_plan.py checks the sums against
-`torch.autograd.graph.saved_tensors_hooks`). A trained block saves the same tensors whether its weights train
-or LoRA adapters do, except for what the weights' gradients read: see `projection_inputs_bytes`.
+`torch.autograd.graph.saved_tensors_hooks`, for padded and packed batches). A trained block saves the same tensors
+whether its weights train or LoRA adapters do, except for what the weights' gradients read: see
+`projection_inputs_bytes`.
+
+A batch is a `Layout`. Training packs its texts (model/packing.py): norms, projections and the feed-forward run on
+the real tokens only, attention on a right-padded copy of texts x longest slots. So some terms grow with the
+tokens and others with the slots, and the packing itself keeps tensors a padded batch does not have.
 """
 
 from __future__ import annotations
@@ -13,6 +18,26 @@ from ..model.config import LlamaConfig
 from ..model.lora import LoRASettings
 
 FP32 = 4  # bytes: RMSNorm and rotary embedding compute in float32 whatever the parameter dtype
+INT64 = 8  # bytes: token ids and the packed layout's indices
+
+
+class Layout(NamedTuple):
+    """A micro-batch as memory sees it: `texts` rows (padded) or texts (packed), the longest `longest` tokens, and
+    `tokens` real tokens in all (a padded batch: texts x longest, every position computed)."""
+
+    texts: int
+    longest: int
+    tokens: int
+    packed: bool
+
+    @property
+    def slots(self) -> int:
+        """Positions attention computes: the padded batch itself, or (packed) its right-padded copy of the texts."""
+        return self.texts * self.longest
+
+    @classmethod
+    def padded(cls, batch: int, seq: int) -> Layout:
+        return cls(batch, seq, batch * seq, packed=False)
 
 
 class Read(NamedTuple):
@@ -28,7 +53,8 @@ class Read(NamedTuple):
 def projection_inputs_bytes(
     reads: dict[str, Read], normed: int, itemsize: int, lora: LoRASettings | None, cuda: bool
 ) -> int:
-    """What the gradients of a block's seven projections (`reads`, by lora.TARGETS name) and two norm gains read.
+    """What the gradients of a block's projections (`reads`, by lora.TARGETS name: all seven, or one half's) and norm
+    gains read.
 
     Trained weights read every input, each tensor saved once, and the gains read the norms' normalised vectors
     (`normed` elements). With LoRA the weights and gains are frozen: each adapted projection keeps its input (for
@@ -43,7 +69,7 @@ def projection_inputs_bytes(
 
     if lora is None:
         return itemsize * (normed + once(reads.values()))
-    adapted = [reads[t] for t in lora.targets]
+    adapted = [reads[t] for t in lora.targets if t in reads]
     low_rank = sum(itemsize * r.rows * lora.rank for r in adapted)
     if lora.dropout:
         mask = 1 if cuda else itemsize
@@ -51,143 +77,193 @@ def projection_inputs_bytes(
     return low_rank + itemsize * once(adapted)
 
 
-def block_saved_bytes(
+class BlockSaved(NamedTuple):
+    """What a trained block saves, by the half of the block that reads it in backward (model.Block)."""
+
+    attention: int  # the attention norm, attention and what q, k, v and o read
+    feed_forward: int  # the feed-forward norm, the SwiGLU and what gate, up and down read
+    ffn_norm: int  # of `feed_forward`, what is still alive when the feed-forward norm's backward runs
+
+    @property
+    def total(self) -> int:
+        return self.attention + self.feed_forward
+
+
+def block_saved(
     cfg: LlamaConfig,
-    batch: int,
-    seq: int,
+    b: Layout,
     itemsize: int,
     input_grad: bool,
     device_type: str,
     lora: LoRASettings | None = None,
-) -> int:
+) -> BlockSaved:
     """Bytes one trained block saves for backward (see model.Block), at parameter size `itemsize`.
 
     `input_grad`: whether the block's input needs a gradient. The lowest trained block's input comes from frozen
     layers, so its first norm keeps only what its gain's gradient (or its adapters) need.
     """
-    n, d, f = batch * seq, cfg.dim, cfg.ffn_dim
+    n, d, f = b.tokens, cfg.dim, cfg.ffn_dim
     q, kv = cfg.n_heads * cfg.head_dim, cfg.n_kv_heads * cfg.head_dim
     # RMSNorm: the float32 input (for x.pow) and 1/rms, only when the input needs a gradient.
     norm_for_input = FP32 * n * d + FP32 * n
-    # Attention: SDPA (flash) keeps q and k after rotation, v, its output and the log-sum-exp of each query row.
-    # Rotary keeps only its cos/sin tables (shared by all blocks, see outside_blocks_saved_bytes).
-    attention = itemsize * n * (2 * q + 2 * kv) + FP32 * batch * cfg.n_heads * seq
+    # Attention: SDPA (flash) keeps q and k after rotation, v, its output and the log-sum-exp of each query row, at
+    # every slot it computes (packed: the texts' right-padded copy, padding included). Rotary keeps only its
+    # cos/sin tables (shared by all blocks, see outside_blocks_saved_bytes).
+    attention = itemsize * b.slots * (2 * q + 2 * kv) + FP32 * cfg.n_heads * b.slots
+    if b.packed:
+        # Packed.pad copies the stream into the padded layout with index_copy, whose backward keeps its source: the
+        # packed q (after rotation), k and v stay alive beside the kernel's padded copies of them.
+        attention += itemsize * n * (q + 2 * kv)
     # SwiGLU: gate output (for silu), silu(gate) and up (for the product).
     ffn = 3 * itemsize * n * f
-    # What the projections read: the norms' outputs, o_proj's input (a copy on CPU, where the kernel's output is
-    # [B, H, T, hd]; on CUDA the kernel's saved output itself) and the SwiGLU product.
+    # What the projections read: the norms' outputs, o_proj's input and the SwiGLU product. o_proj's input is the
+    # kernel's saved output itself only for a padded batch on CUDA ([B, T, H, hd] in memory, so the reshape is a
+    # view); on CPU the kernel's output is [B, H, T, hd] and the reshape copies, and packed, Packed.unpad gathers
+    # the real tokens into a new [tokens, q] tensor. The gains read their norm's normalised vector.
+    cuda = device_type == "cuda"
     reads = {t: Read("attention norm", n, d, needs_grad=input_grad) for t in ("q", "k", "v")}
-    reads |= {"o": Read("o input", n, q, kept_anyway=device_type == "cuda"), "down": Read("product", n, f)}
-    reads |= {t: Read("ffn norm", n, d) for t in ("gate", "up")}
-    projections = projection_inputs_bytes(reads, 2 * n * d, itemsize, lora, device_type == "cuda")
-    return (norm_for_input if input_grad else 0) + attention + norm_for_input + ffn + projections
+    reads["o"] = Read("o input", n, q, kept_anyway=cuda and not b.packed)
+    attention += projection_inputs_bytes(reads, n * d, itemsize, lora, cuda)
+    reads = {"down": Read("product", n, f)} | {t: Read("ffn norm", n, d) for t in ("gate", "up")}
+    ffn += projection_inputs_bytes(reads, n * d, itemsize, lora, cuda)
+    # The feed-forward norm's backward comes after gate's and up's: its input, 1/rms and (a trained gain) its
+    # normalised vector are what is left of the feed-forward half.
+    ffn_norm = norm_for_input + (itemsize * n * d if lora is None else 0)
+    return BlockSaved((norm_for_input if input_grad else 0) + attention, norm_for_input + ffn, ffn_norm)
 
 
 def last_block_saved_bytes(
     cfg: LlamaConfig,
-    batch: int,
-    seq: int,
+    b: Layout,
     itemsize: int,
     input_grad: bool,
     device_type: str,
     lora: LoRASettings | None = None,
 ) -> int:
     """Bytes the classifier's last block saves. It runs only where the classifier reads it (`Block` with
-    `query_rows`): its attention norm and keys and values at every position, the rest at each row's last real token."""
-    n, b, d, f = batch * seq, batch, cfg.dim, cfg.ffn_dim
+    `query_rows`): its attention norm and keys and values at every position, the rest at each text's last token."""
+    n, rows, d, f = b.tokens, b.texts, cfg.dim, cfg.ffn_dim
     q, kv = cfg.n_heads * cfg.head_dim, cfg.n_kv_heads * cfg.head_dim
     # Every position: the attention norm's float32 input and 1/rms, if its input needs a gradient.
     everywhere = (FP32 * n * d + FP32 * n) if input_grad else 0
     if device_type == "cuda":
         # A padded batch gives the pooled rows a key mask, and with a mask the model repeats keys and values for
-        # every query head (model.Attention.attend). Planned as SDPA's math kernel, the worst case (float32 copies
-        # of them, kept with the float32 query and the softmax); the memory-efficient kernel keeps the repeated
-        # keys and values in the model's dtype: less. Unmeasured on a GPU.
-        everywhere += 2 * FP32 * n * q
-        attention = FP32 * b * q + FP32 * b * cfg.n_heads * seq
+        # every query head (model.Attention.attend); a packed one always has one (Packed.last_sees: each text's
+        # own keys). Planned as SDPA's math kernel, the worst case (float32 copies of them over every slot, kept
+        # with the float32 query and the softmax); the memory-efficient kernel keeps the repeated keys and values
+        # in the model's dtype: less. Unmeasured on a GPU.
+        everywhere += 2 * FP32 * b.slots * q
+        attention = FP32 * rows * q + FP32 * rows * cfg.n_heads * b.longest
+    elif b.packed:
+        # The texts' last tokens see only their own keys: a mask (kept by the kernel, in the model's dtype, one
+        # value a slot), so keys and values are repeated for every query head and kept so; q, out, log-sum-exp.
+        everywhere += 2 * itemsize * b.slots * q + itemsize * b.slots
+        attention = 2 * itemsize * rows * q + FP32 * rows * cfg.n_heads
     else:
         # Without padding (as planned here) each row's last token is the last position and sees every key: no mask,
         # so the kernel keeps k and v as they are, q, out and the log-sum-exp. (With padding: a mask, and keys and
         # values repeated for every query head, 2 * itemsize * n * (q - kv) more.)
         everywhere += 2 * itemsize * n * kv
-        attention = 2 * itemsize * b * q + FP32 * b * cfg.n_heads
+        attention = 2 * itemsize * rows * q + FP32 * rows * cfg.n_heads
+    if b.packed:
+        everywhere += 2 * itemsize * n * kv  # Packed.pad's index_copy keeps its sources: the packed k and v
     # One row each: row and position indices, cos/sin at the last token, the feed-forward norm's float32 input and
     # 1/rms, and three of the SwiGLU's [ffn_dim] vectors.
-    rows = 16 * b + FP32 * b * cfg.head_dim + FP32 * b * (d + 1) + 3 * itemsize * b * f
+    per_row = 16 * rows + FP32 * rows * cfg.head_dim + FP32 * rows * (d + 1) + 3 * itemsize * rows * f
     # What the projections read: k and v the attention norm's output at every position, q that output at the
-    # pooled rows (a copy), o the kernel's output (on CUDA a copy of the math kernel's float32 one), gate and up
-    # the feed-forward norm's output, down the SwiGLU product.
-    reads = {"q": Read("q input", b, d, needs_grad=input_grad)}
+    # pooled rows (a copy), o the kernel's output (on CUDA a copy of the math kernel's float32 one; packed, a copy
+    # of the [texts, heads, 1, head_dim] output turned back into one row per text), gate and up the feed-forward
+    # norm's output, down the SwiGLU product.
+    reads = {"q": Read("q input", rows, d, needs_grad=input_grad)}
     reads |= {t: Read("attention norm", n, d, needs_grad=input_grad) for t in ("k", "v")}
-    reads |= {"o": Read("o input", b, q, kept_anyway=device_type != "cuda"), "down": Read("product", b, f)}
-    reads |= {t: Read("ffn norm", b, d) for t in ("gate", "up")}
-    projections = projection_inputs_bytes(reads, n * d + b * d, itemsize, lora, device_type == "cuda")
-    return everywhere + attention + rows + projections
+    o_is_kernel_output = device_type != "cuda" and not b.packed
+    reads |= {"o": Read("o input", rows, q, kept_anyway=o_is_kernel_output), "down": Read("product", rows, f)}
+    reads |= {t: Read("ffn norm", rows, d) for t in ("gate", "up")}
+    projections = projection_inputs_bytes(reads, n * d + rows * d, itemsize, lora, device_type == "cuda")
+    return everywhere + attention + per_row + projections
 
 
-def block_forward_work(cfg: LlamaConfig, batch: int, seq: int, itemsize: int) -> int:
+def block_forward_work(cfg: LlamaConfig, b: Layout, itemsize: int) -> int:
     """Temporaries at the peak of a forward through a block that saves nothing (frozen, or checkpointed).
 
     The SwiGLU product is the largest step: silu(gate), up and their product, with the block's input, its
-    mid-block residual and the norm output alive around it. Attention's peak is the float32 rotary arithmetic.
-    Throughout: the rotary tables, and the embedding output, which the classifier holds until the blocks return.
+    mid-block residual, the norm output and attention's output (Block.forward's name for it keeps it until the block
+    returns) alive around it. Attention's peak is the float32 rotary arithmetic on q; packed, it may come later,
+    when Packed.unpad has copied the kernel's output back beside the padded q, k, v and that output. Throughout: the
+    rotary tables, and the embedding output, which the classifier holds until the blocks return (measured on CPU).
     """
-    n, d, f = batch * seq, cfg.dim, cfg.ffn_dim
+    n, p, d, f = b.tokens, b.slots, cfg.dim, cfg.ffn_dim
     q, kv = cfg.n_heads * cfg.head_dim, cfg.n_kv_heads * cfg.head_dim
-    ffn = 3 * itemsize * n * f + 3 * itemsize * n * d
-    attention = 2 * itemsize * n * d + itemsize * n * (q + 2 * kv) + 3 * FP32 * n * q
+    ffn = 3 * itemsize * n * f + 4 * itemsize * n * d
+    if b.packed:  # the padded k and v exist from before q's rotary arithmetic
+        rotary = itemsize * (2 * p * kv + n * q) + 3 * FP32 * n * q
+        attention = 2 * itemsize * n * d + max(rotary, itemsize * p * (2 * q + 2 * kv) + itemsize * n * q)
+    else:
+        attention = 2 * itemsize * n * d + itemsize * n * (q + 2 * kv) + 3 * FP32 * n * q
     norm = 3 * FP32 * n * d + 2 * itemsize * n * d
     return max(ffn, attention, norm) + FP32 * n * cfg.head_dim + itemsize * n * d
 
 
-def trained_forward_work(cfg: LlamaConfig, batch: int, seq: int) -> int:
+def trained_forward_work(cfg: LlamaConfig, b: Layout) -> int:
     """Temporaries of a trained block's forward beyond what it saves: the float32 rotary arithmetic on q."""
-    return 2 * FP32 * batch * seq * cfg.n_heads * cfg.head_dim
+    return 2 * FP32 * b.tokens * cfg.n_heads * cfg.head_dim
 
 
-def backward_work(
-    cfg: LlamaConfig, batch: int, seq: int, itemsize: int, device_type: str, lora: bool = False
-) -> dict[str, int]:
+def backward_work(cfg: LlamaConfig, b: Layout, itemsize: int, device_type: str, lora: bool = False) -> dict[str, int]:
     """Gradient temporaries of a block's backward beyond its saved tensors and weight gradients, at its two peaks.
 
     start: the gradient flowing down the residual stream and two of the SwiGLU's [tokens, ffn_dim] gradients (or
-    flash attention's dq, dk, dv over all heads and its float32 dq accumulator, if larger); with LoRA a third: the
-    gradient of down's input comes in two parts, through the frozen weight and through the adapter, then summed
-    (measured on CPU). end: the attention
-    norm's float32 arithmetic (five [tokens, dim] float32 tensors when its input needs a gradient, measured) and
-    the gradient of the block's input. The last block's start is small: only its keys and values span every
-    position (on CUDA the math kernel's float32 dk and dv over all heads).
+    flash attention's dq, dk, dv over all heads and its float32 dq accumulator, if larger: over every slot, and
+    packed, beside the output's gradient scattered into the padded layout by Packed.unpad's backward); with LoRA a
+    third: the gradient of down's input comes in two parts, through the frozen weight and through the adapter, then
+    summed (measured on CPU). end: the attention norm's float32 arithmetic (five [tokens, dim] float32 tensors when
+    its input needs a gradient, measured) and the gradient of the block's input. The last block's start is small
+    unless keys and values were repeated for every query head (a mask: always when packed), when their gradients
+    span every slot and head (on CUDA the math kernel's float32 dk and dv over all heads, planned for any batch).
     """
-    n, d, f = batch * seq, cfg.dim, cfg.ffn_dim
+    n, p, d, f = b.tokens, b.slots, cfg.dim, cfg.ffn_dim
     q, kv = cfg.n_heads * cfg.head_dim, cfg.n_kv_heads * cfg.head_dim
+    if device_type == "cuda" or not b.packed:  # (a padded batch on CPU: planned as flash, on the safe side)
+        attention = 3 * itemsize * p * q + FP32 * p * q + (itemsize * p * q if b.packed else 0)
+    else:  # the CPU kernel shares key/value heads itself: dq over all heads, dk and dv over theirs (measured)
+        attention = itemsize * p * (2 * q + 2 * kv)
+    if device_type == "cuda":
+        last_start = 2 * FP32 * p * q
+    else:
+        last_start = 2 * itemsize * p * q if b.packed else 2 * itemsize * n * kv
     return {
-        "start": itemsize * n * d + max((3 if lora else 2) * itemsize * n * f, 3 * itemsize * n * q + FP32 * n * q),
-        "last start": 2 * FP32 * n * q if device_type == "cuda" else 2 * itemsize * n * kv,
+        "start": itemsize * n * d + max((3 if lora else 2) * itemsize * n * f, attention),
+        "last start": last_start,
         "end": 5 * FP32 * n * d + itemsize * n * d,
         "end, input frozen": 2 * itemsize * n * d,
     }
 
 
-def norm_saved_bytes(cfg: LlamaConfig, batch: int, seq: int, itemsize: int, input_grad: bool, lora: bool) -> int:
+def norm_saved_bytes(cfg: LlamaConfig, b: Layout, itemsize: int, input_grad: bool, lora: bool) -> int:
     """What a block's attention norm saves (the last thing its backward reaches): its output, its normalised vector
     unless its gain is frozen (LoRA), and its float32 input and 1/rms if its input needs a gradient."""
-    n, d = batch * seq, cfg.dim
+    n, d = b.tokens, cfg.dim
     return (1 if lora else 2) * itemsize * n * d + ((FP32 * n * d + FP32 * n) if input_grad else 0)
 
 
 def outside_blocks_saved_bytes(
-    cfg: LlamaConfig, b: int, t: int, itemsize: int, trained_blocks: int, num_classes: int, embedding_trains: bool
+    cfg: LlamaConfig, b: Layout, itemsize: int, trained_blocks: int, num_classes: int, embedding_trains: bool
 ) -> dict[str, int]:
     """Saved tensors outside the blocks: rotary tables, final norm, head, loss."""
-    n, d = b * t, cfg.dim
+    n, rows, d = b.tokens, b.texts, cfg.dim
     out = {}
-    # Rotary cos and sin, [B, 1, T, head_dim / 2] float32 each (training passes an attention mask: per-row positions),
-    # one pair for every block (Llama.run_blocks computes them once per forward).
+    # Rotary cos and sin, [B, 1, T, head_dim / 2] float32 each (training passes an attention mask or a packed layout:
+    # per-token positions), one pair for every block (Llama.run_blocks computes them once per forward).
     out["rotary tables"] = FP32 * n * cfg.head_dim * min(trained_blocks, 1)
     # Final norm at each row's last token; its input needs a gradient only if the last block trains.
-    out["final norm"] = itemsize * b * d + ((FP32 * b * d + FP32 * b) if trained_blocks else 0)
+    out["final norm"] = itemsize * rows * d + ((FP32 * rows * d + FP32 * rows) if trained_blocks else 0)
     # Head input (the final norm's output), the float32 logits' log-softmax.
-    out["head"] = itemsize * b * d + 2 * FP32 * b * num_classes
-    if embedding_trains:
-        out["token ids"] = 8 * n  # the embedding keeps its int64 indices
+    out["head"] = itemsize * rows * d + 2 * FP32 * rows * num_classes
+    if b.packed:
+        # A packed batch's ints (labels, token ids, and the layout's counts, positions, slots and last tokens) are
+        # views of one int64 tensor (packing.to_device). The loss keeps the labels and Packed.pad the slots: the
+        # whole tensor stays.
+        out["batch ints"] = INT64 * (3 * n + 3 * rows)
+    elif embedding_trains:
+        out["token ids"] = INT64 * n  # the embedding keeps its int64 indices
     return out

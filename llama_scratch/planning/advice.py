@@ -66,6 +66,8 @@ def _flags(r: PlanInputs, changes: dict) -> str:
 
 
 def replan(r: PlanInputs, changes: dict) -> MemoryPlan:
+    if {"batch_size", "seq_len"} & changes.keys():  # other rows or lengths: whole texts, not the budget's tokens
+        changes = {"tokens": None, **changes}
     return plan_memory(dataclasses.replace(r, **changes))
 
 

@@ -29,9 +29,11 @@ from ..model.counts import ParamCounts, count_parameters
 from ..model.lora import LoRASettings
 from .activations import (
     FP32,
+    BlockSaved,
+    Layout,
     backward_work,
     block_forward_work,
-    block_saved_bytes,
+    block_saved,
     last_block_saved_bytes,
     norm_saved_bytes,
     outside_blocks_saved_bytes,
@@ -56,10 +58,27 @@ def with_margin(n: int) -> int:
 
 
 def planned_rows(batch_size: int, batch_tokens: int | None, seq_len: int) -> int:
-    """Rows of `seq_len` tokens a micro-batch is planned as. With a budget of `batch_tokens` (`--batch-tokens`) a
-    batch holds at most that many tokens, or one text longer than it: the plan takes enough whole rows of the
-    longest text to hold the budget, which covers both (activations grow with the tokens, however cut)."""
+    """Texts of `seq_len` tokens a micro-batch is planned as. With a budget of `batch_tokens` (`--batch-tokens`) a
+    batch holds at most that many tokens, or one text longer than it: the plan takes enough whole texts of the
+    longest length to hold the budget, which covers both; attention's padded copy of a packed batch is planned
+    as those texts (see planned_tokens)."""
     return batch_size if batch_tokens is None else max(1, -(-batch_tokens // seq_len))
+
+
+def planned_batch(batch_size: int, batch_tokens: int | None, seq_len: int) -> dict[str, int | None]:
+    """PlanInputs' batch fields for a run's --batch-size or --batch-tokens, texts of up to `seq_len` tokens."""
+    return {
+        "batch_size": planned_rows(batch_size, batch_tokens, seq_len),
+        "seq_len": seq_len,
+        "tokens": planned_tokens(batch_tokens, seq_len),
+    }
+
+
+def planned_tokens(batch_tokens: int | None, seq_len: int) -> int | None:
+    """Real tokens of a packed micro-batch under a budget of `batch_tokens`: the budget, or one text longer than it
+    (budget_batches never puts a second text beside a text that fills it). None without a budget: every text is
+    planned at `seq_len` tokens."""
+    return None if batch_tokens is None else max(batch_tokens, seq_len)
 
 
 @dataclass(frozen=True)
@@ -69,8 +88,8 @@ class PlanInputs:
     `TrainSettings`: `--plan` builds these from the flags and a config alone, before any data or weight is read."""
 
     cfg: LlamaConfig
-    batch_size: int
-    seq_len: int
+    batch_size: int  # texts (rows) per micro-batch
+    seq_len: int  # the longest text's tokens
     train_last: int | None = 1  # None: everything trains
     num_classes: int = 2
     dtype: torch.dtype | None = None  # parameter dtype; None: the config's
@@ -84,6 +103,8 @@ class PlanInputs:
     device_type: str = "cuda"  # "cuda": the flash attention layout; "cpu": what CPU kernels do
     lora: LoRASettings | None = None  # adapters in the trained blocks, whose own weights and norms stay frozen
     quantize: str | None = None  # "nf4" or "int8": the frozen linear weights held in 4 or 8 bits (--quantize)
+    packed: bool = True  # the texts packed into one stream, as training lays them out; False: a padded batch
+    tokens: int | None = None  # packed: the real tokens of the batch, if fewer than batch_size x seq_len
 
     def __post_init__(self) -> None:
         if self.optimizer_state not in OPTIMIZER_STATES:
@@ -104,6 +125,12 @@ class PlanInputs:
             )
         if self.quantize is not None and self.train_last is None and self.lora is None:
             raise ValueError("--quantize needs frozen weights: every block trains (--train-last all); add --lora RANK")
+        if self.tokens is not None and not (
+            self.packed and self.batch_size + self.seq_len - 1 <= self.tokens <= self.batch_size * self.seq_len
+        ):
+            raise ValueError(
+                f"{self.tokens} tokens cannot be a packed batch of {self.batch_size} texts, the longest {self.seq_len}"
+            )
 
     @property
     def per_node(self) -> int:
@@ -117,6 +144,13 @@ class PlanInputs:
     @property
     def trained_blocks(self) -> int:
         return len(trained_blocks(self.cfg.n_layers, self.train_last))
+
+    @property
+    def layout(self) -> Layout:
+        """The micro-batch's shape: what the activations grow with (activations.Layout)."""
+        if not self.packed:
+            return Layout.padded(self.batch_size, self.seq_len)
+        return Layout(self.batch_size, self.seq_len, self.tokens or self.batch_size * self.seq_len, packed=True)
 
 
 def quantized_bytes(scheme: str, shapes: tuple[tuple[int, int], ...]) -> int:
@@ -253,6 +287,8 @@ class MemoryPlan:
             "trainable_params": self.counts.trainable,
             "batch_size": r.batch_size,
             "seq_len": r.seq_len,
+            "tokens": r.layout.tokens,
+            "packed": r.packed,
             "train_last": r.train_last,
             "dtype": str(r.param_dtype).removeprefix("torch."),
             "optimizer_state": r.optimizer_state,
@@ -312,39 +348,58 @@ def low_precision_kept(r: PlanInputs, counts) -> int:
     return s * (blocks + root)
 
 
-def backward_peak(r: PlanInputs, cfg: LlamaConfig, counts, activations: int, held: int, saved: tuple) -> int:
+def backward_peak(
+    r: PlanInputs,
+    cfg: LlamaConfig,
+    counts,
+    activations: int,
+    held: int,
+    saved: tuple[int, int, int, BlockSaved, BlockSaved],
+) -> int:
     """The most memory backward holds at once, beside weights and optimizer state.
 
     Backward goes block by block from the top (the head's and final norm's gradients come first, the embedding's
     last). A block starts with all its saved tensors alive (a checkpointed one recomputes them next to its kept
-    input), the gradients of the blocks above and its first weight gradient (down_proj's); it ends in its
-    attention norm with only that norm's saved tensors left and all its weight gradients. Blocks below it still
-    hold what they saved. `saved` is (last block, first kept, other kept, first full, other full) in bytes.
+    input), the gradients of the blocks above and its first weight gradient (down_proj's). Its feed-forward half
+    done, the feed-forward norm's backward runs with the attention half's saved tensors still there and all the
+    feed-forward's weight gradients made (the larger moment when those gradients outweigh the feed-forward's saved
+    tensors: few tokens, full weights). It ends in its attention norm with only that norm's saved tensors left and
+    all its weight gradients. Blocks below it still hold what they saved. `saved` is (last block, first kept, other
+    kept, first full, other full) in bytes, the full ones by half. The last block's largest temporaries come in its
+    attention's backward (keys and values span every position, the rest runs at the pooled rows only), after the
+    gradients of its feed-forward and o_proj: those are there.
     """
-    last, kept_first, kept_per_block, full_first, full_rest = saved
-    s, k, b, t = r.param_dtype.itemsize, r.trained_blocks, r.batch_size, r.seq_len
+    last, kept_first, kept_per_block, first, rest = saved
+    s, k, b = r.param_dtype.itemsize, r.trained_blocks, r.layout
     full, ckpt = max(k - 1, 0), r.gradient_checkpointing
     grads, block_grads, lora = s * counts.trainable, s * counts.block_trained, r.lora is not None
-    work = backward_work(cfg, b, t, s, r.device_type, r.lora is not None)
-    sweep = []  # (kept until its turn, alive at its start, alive at its end, start temporaries, end temporaries)
+    work = backward_work(cfg, b, s, r.device_type, r.lora is not None)
+    # Per block: its bytes kept until its turn, then its moments: (alive in it, its gradients made, temporaries).
+    sweep: list[tuple[int, list[tuple[int, int, int]]]] = []
     if k:
         input_grad = full > 0 or r.train_last is None
         end_work = work["end"] if input_grad else work["end, input frozen"]
-        sweep.append((last, last, norm_saved_bytes(cfg, b, t, s, input_grad, lora), work["last start"], end_work))
+        at_end = norm_saved_bytes(cfg, b, s, input_grad, lora)
+        above_attention = block_grads - s * counts.below_attention_trained
+        sweep.append((last, [(last, above_attention, work["last start"]), (at_end, block_grads, end_work)]))
     for i in range(full):
         bottom = i == full - 1
-        kept, at_start = (kept_first, full_first) if bottom else (kept_per_block, full_rest)
+        kept, parts = (kept_first, first) if bottom else (kept_per_block, rest)
+        recomputed_beside = kept if ckpt else 0  # a checkpointed block's input stays through its backward
         input_grad = r.train_last is None or not bottom
-        at_end = norm_saved_bytes(cfg, b, t, s, input_grad, lora) + (kept if ckpt else 0)
-        end_work = work["end"] if input_grad else work["end, input frozen"]
-        sweep.append((kept, at_start + (kept if ckpt else 0), at_end, work["start"], end_work))
+        at_end = norm_saved_bytes(cfg, b, s, input_grad, lora)
+        moments = [
+            (parts.total, s * counts.down_trained, work["start"]),
+            (parts.attention + parts.ffn_norm, s * counts.ffn_trained, work["end"]),
+            (at_end, block_grads, work["end"] if input_grad else work["end, input frozen"]),
+        ]
+        sweep.append((kept, [(at + recomputed_beside, made, temp) for at, made, temp in moments]))
     alive, done = activations, s * (counts.head + cfg.dim)  # head and final norm
     peak = alive + max(held, done)
-    for kept, at_start, at_end, start_work, end_work in sweep:
+    for kept, moments in sweep:
         alive -= kept
-        peak = max(peak, alive + at_start + max(held, done + s * counts.down_trained) + start_work)
+        peak = max(peak, *(alive + at + max(held, done + made) + temp for at, made, temp in moments))
         done += block_grads
-        peak = max(peak, alive + at_end + max(held, done) + end_work)
     return max(peak, alive + grads)  # the embedding's gradient, when everything trains
 
 
@@ -357,6 +412,14 @@ def held_gradients(r: PlanInputs, whole: int, mine: int) -> int:
     return mine if r.grad_accum > 1 or r.world_size > 1 else 0
 
 
+def full_blocks_saved(r: PlanInputs, cfg: LlamaConfig) -> tuple[BlockSaved, BlockSaved]:
+    """What the lowest full trained block and each one above it save (activations.block_saved)."""
+    s, b = r.param_dtype.itemsize, r.layout
+    first = block_saved(cfg, b, s, r.train_last is None, r.device_type, r.lora)
+    rest = block_saved(cfg, b, s, True, r.device_type, r.lora)
+    return first, rest
+
+
 def plan_memory(r: PlanInputs) -> MemoryPlan:
     """Bytes one process needs for a run of these inputs, part by part, and its peak."""
     if r.lora is not None and r.train_last is None:  # adapters in every block; the embedding stays frozen
@@ -367,32 +430,30 @@ def plan_memory(r: PlanInputs) -> MemoryPlan:
     shards = (r.shard_group or r.world_size) if r.shard else 1
     counts = count_parameters(cfg, r.train_last, r.num_classes, r.lora, shards) if shards > 1 else whole  # mine
     k = r.trained_blocks
-    b, t = r.batch_size, r.seq_len
+    b = r.layout
 
     optimizer_state, step_work = optimizer_bytes(r, counts)
     # Trained blocks: k - 1 full ones (checkpointed, if asked) and the classifier's last block, at the pooled rows.
     full = max(k - 1, 0)
     qz = quantized_parts(r, counts)
-    full_first = block_saved_bytes(cfg, b, t, s, r.train_last is None, r.device_type, r.lora)
-    full_rest = block_saved_bytes(cfg, b, t, s, True, r.device_type, r.lora)
+    first, rest = full_blocks_saved(r, cfg)
+    full_first, full_rest = first.total, rest.total
     block_full = full_rest if full > 1 or r.train_last is None else full_first
-    kept_per_block = s * b * t * cfg.dim if r.gradient_checkpointing else full_rest
-    kept_first = s * b * t * cfg.dim if r.gradient_checkpointing else full_first
+    kept_per_block = s * b.tokens * cfg.dim if r.gradient_checkpointing else full_rest  # the block's input
+    kept_first = s * b.tokens * cfg.dim if r.gradient_checkpointing else full_first
     last_grad = full > 0 or r.train_last is None
-    last = last_block_saved_bytes(cfg, b, t, s, last_grad, r.device_type, r.lora) if k else 0
-    shared = sum(outside_blocks_saved_bytes(cfg, b, t, s, k, r.num_classes, r.train_last is None).values())
+    last = last_block_saved_bytes(cfg, b, s, last_grad, r.device_type, r.lora) if k else 0
+    shared = sum(outside_blocks_saved_bytes(cfg, b, s, k, r.num_classes, r.train_last is None).values())
     activations = shared + last + (kept_first + (full - 1) * kept_per_block if full else 0)
 
     grads = s * counts.trainable
-    frozen_work = block_forward_work(cfg, b, t, s)
+    frozen_work = block_forward_work(cfg, b, s)
     # A checkpointed block's forward runs like a frozen one: its internals are temporaries.
-    fwd_work = frozen_work if r.gradient_checkpointing else trained_forward_work(cfg, b, t)
-    work = backward_work(cfg, b, t, s, r.device_type, r.lora is not None)
+    fwd_work = frozen_work if r.gradient_checkpointing else trained_forward_work(cfg, b)
+    work = backward_work(cfg, b, s, r.device_type, r.lora is not None)
     held = held_gradients(r, s * whole.trainable, grads)
     gathered_forward, gathered_backward = gathered_bytes(r, whole)
-    backward = backward_peak(
-        r, cfg, counts, activations, held, (last, kept_first, kept_per_block, full_first, full_rest)
-    )
+    backward = backward_peak(r, cfg, counts, activations, held, (last, kept_first, kept_per_block, first, rest))
     # --quantize: each frozen linear is dequantized as it runs, one at a time; under LoRA, whose blocks compute over
     # quantized weights, again in backward, for its input's gradient (and in a checkpointed block's rerun).
     recomputed = qz.transient if r.lora is not None else 0

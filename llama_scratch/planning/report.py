@@ -18,7 +18,18 @@ import torch
 from ..model.config import PRESETS, LlamaConfig, parse_dtype
 from ..model.lora import LoRASettings
 from .advice import STAGES, advice_lines, advise, in_gib, misfit, replan, smallest_world
-from .memory import FP32, NF4_BLOCK, QUANTIZE, GiB, MemoryPlan, PlanInputs, plan_memory, planned_rows, with_margin
+from .memory import (
+    FP32,
+    NF4_BLOCK,
+    QUANTIZE,
+    GiB,
+    MemoryPlan,
+    PlanInputs,
+    plan_memory,
+    planned_rows,
+    planned_tokens,
+    with_margin,
+)
 
 SCRATCH_PRESETS = ("tiny",)  # presets with no published checkpoint: only ever trained from random weights
 
@@ -55,7 +66,7 @@ def plan_heading(plan: MemoryPlan) -> list[str]:
     per = "GPU" if r.device_type == "cuda" else "process (CPU)"
     quantized = f", weights: {QUANTIZE[r.quantize]} (frozen base)" if r.quantize else ""
     return [
-        f"Memory plan per {per}: batch {r.batch_size} x {r.seq_len} tokens, train {trained_text(r)}{ckpt}, {dtype}"
+        f"Memory plan per {per}: batch {batch_text(r)}, train {trained_text(r)}{ckpt}, {dtype}"
         f"{quantized}, world size {r.world_size}"
         + (f" on {r.nodes} nodes ({r.per_node} each)" if r.nodes > 1 else "")
         + (f", sharded (FSDP2) across {r.shard_group or r.world_size}" if r.shard else ""),
@@ -63,6 +74,13 @@ def plan_heading(plan: MemoryPlan) -> list[str]:
         "",
         f"  {'part':<28}{'size':>13}   what",
     ]
+
+
+def batch_text(r: PlanInputs) -> str:
+    """A micro-batch as planned: rows x tokens, or (a token budget) its real tokens and the texts attention pads."""
+    if r.tokens is None:
+        return f"{r.batch_size} x {r.seq_len} tokens"
+    return f"{r.tokens:,} tokens packed ({r.batch_size} texts of up to {r.seq_len} inside attention)"
 
 
 def format_plan(plan: MemoryPlan, gpu: tuple[str, int] | None = None) -> str:
@@ -264,12 +282,18 @@ def plan_command(args, cfg: LlamaConfig, train_last: int | None, lora: LoRASetti
     if args.max_length is None:
         notes.append("no --max-length given: planned for 512 tokens a text (a batch holds at most batch size x that)")
     seq_len = args.max_length or 512
-    if getattr(args, "batch_tokens", None) is not None:
-        notes.append(f"--batch-tokens {args.batch_tokens}: planned as batches of that many tokens")
+    budget = getattr(args, "batch_tokens", None)
+    rows = planned_rows(args.batch_size, budget, seq_len)
+    if budget is not None:
+        notes.append(
+            f"--batch-tokens {budget}: planned as {planned_tokens(budget, seq_len):,} tokens a batch, padded inside "
+            f"attention to {rows} texts of {seq_len}; a batch of texts of mixed lengths pads more there"
+        )
     inputs = PlanInputs(
         cfg=cfg,
-        batch_size=planned_rows(args.batch_size, getattr(args, "batch_tokens", None), seq_len),
+        batch_size=rows,
         seq_len=seq_len,
+        tokens=planned_tokens(budget, seq_len),
         train_last=train_last,
         dtype=dtype,
         optimizer_state=args.optimizer_state,
