@@ -70,7 +70,7 @@ from .training.run_dir import (
     interrupted,
     latest_run,
     new_run_id,
-    read_flags,
+    resumable,
     start_output,
     write_results,
 )
@@ -253,9 +253,10 @@ def prepare(args: argparse.Namespace, progress: Progress) -> tuple[Job, TrainSet
     strategy = choose_strategy(args.device, args.shard, args.shard_group)
     log = strategy.log
     strategy.quiet_elsewhere(DataWarning)
-    if args.resume:  # the run's own flags for those not typed again, before anything is read
+    if args.resume:  # a run to continue, and its own flags for those not typed again, before anything is read
+        latest = args.output is None
         args.output = args.output or latest_run()
-        recorded = strategy.on_main(lambda: read_flags(args.output))
+        recorded = strategy.on_main(lambda: resumable(args.output, args.overwrite, latest))
         if recorded is not None:
             args = resumed_flags(args, recorded, args.output)
     started = time.perf_counter()

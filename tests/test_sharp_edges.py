@@ -1,0 +1,68 @@
+"""What a new user hit with their own files and the `llama-scratch` command, round two: each test runs the command
+with the flags they typed. A resume with nothing to resume, refused before anything loads; a misspelt flag in one
+line; warnings and progress that read well in a log; the parameters of a quantized model; test figures that match
+classify's; a table of ids and texts; plan advice that finds the one-card recipe; where runs/latest points."""
+
+import csv
+from pathlib import Path
+
+from llama_scratch import __main__ as cli
+from llama_scratch import finetune_args
+from llama_scratch.checkpoints.run_record import RECORD_FILE, RUN_MARKER
+from llama_scratch.data.labelled import load_sms_spam
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def sms_rows(n: int, start: int = 0) -> list[tuple[str, str]]:
+    """n real SMS messages from `start` on, half spam, half ham, as (text, label)."""
+    sms = load_sms_spam()
+    ham = [t for t, y in zip(sms.texts, sms.labels, strict=True) if y == 0][start : start + n // 2]
+    spam = [t for t, y in zip(sms.texts, sms.labels, strict=True) if y == 1][start : start + n - n // 2]
+    return [(t, "ham") for t in ham] + [(t, "spam") for t in spam]
+
+
+def write_csv(path: Path, header: list[str], rows: list) -> Path:
+    with path.open("w", newline="", encoding="utf-8") as f:
+        w = csv.writer(f)
+        w.writerow(header)
+        w.writerows(rows)
+    return path
+
+
+def one_error_line(err: str) -> str:
+    assert err.startswith("error: ") and err.count("\n") == 1, err
+    return err
+
+
+# ---------------------------------------------------------------------------------------------- 1, 2: --resume
+
+
+def test_resume_of_a_missing_or_finished_run_is_refused_before_anything_loads(tmp_path, monkeypatch, capsys):
+    """`finetune --resume --output DIR` where DIR does not exist trained a new run on SMS; on a finished run it read
+    and printed the data first. Both are one line and exit 2 now, with no data read and nothing created."""
+
+    def no_data(*args, **kwargs):
+        raise AssertionError("the data was read before --resume was refused")
+
+    monkeypatch.setattr(finetune_args, "load_dataset", no_data)
+    missing = tmp_path / "never-started"
+    assert cli.main(["finetune", "--resume", "--output", str(missing)]) == 2
+    out, err = capsys.readouterr()
+    assert out == "" and "does not exist" in one_error_line(err) and str(missing) in err
+    assert not missing.exists()
+
+    finished = tmp_path / "finished"
+    finished.mkdir()
+    (finished / RUN_MARKER).write_text("llama_scratch fine-tuning run\n")
+    (finished / RECORD_FILE).write_text("{}")
+    assert cli.main(["finetune", "--resume", "--output", str(finished)]) == 2
+    out, err = capsys.readouterr()
+    assert out == "" and "finished run" in one_error_line(err) and "nothing left to resume" in err
+
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    assert cli.main(["finetune", "--resume", "--output", str(empty)]) == 2
+    out, err = capsys.readouterr()
+    assert out == "" and "no run to continue" in one_error_line(err)
+    assert list(empty.iterdir()) == []
