@@ -9,6 +9,7 @@ from pathlib import Path
 
 import torch
 
+from .cli import CommandParser
 from .data.labelled import SEPARATOR, DataError, LabelledTexts, load_dataset
 from .data.splitting import default_protocol, split_with_files
 from .model.lora import TARGETS, LoRASettings
@@ -19,7 +20,7 @@ from .training.loop import TrainSettings
 def build_parser() -> argparse.ArgumentParser:
     """The command line, in groups; every recipe default comes from TrainSettings and is named once in its help."""
     d = TrainSettings()
-    p = argparse.ArgumentParser(
+    p = CommandParser(
         prog="python -m llama_scratch.finetune_classifier",
         description="Fine-tune a Llama-3 checkpoint as a text classifier. Every option has a default; with none, "
         "the bundled SMS spam data trains the best model at hand.",

@@ -4,7 +4,11 @@ line; warnings and progress that read well in a log; the parameters of a quantiz
 classify's; a table of ids and texts; plan advice that finds the one-card recipe; where runs/latest points."""
 
 import csv
+import subprocess
+import sys
 from pathlib import Path
+
+import pytest
 
 from llama_scratch import __main__ as cli
 from llama_scratch import finetune_args
@@ -66,3 +70,32 @@ def test_resume_of_a_missing_or_finished_run_is_refused_before_anything_loads(tm
     out, err = capsys.readouterr()
     assert out == "" and "no run to continue" in one_error_line(err)
     assert list(empty.iterdir()) == []
+
+
+# ---------------------------------------------------------------------------------------------- 6: flags
+
+
+def test_a_misspelt_or_shortened_flag_is_one_line_naming_the_nearest(tmp_path, capsys):
+    """`--epoch 2` was taken as `--epochs 2` (argparse's prefixes) and a misspelt flag printed the whole usage
+    first: every command refuses both in one line, naming the flag meant."""
+    r = subprocess.run(
+        [sys.executable, "-m", "llama_scratch", "finetune", "--epoch", "2", "--output", str(tmp_path / "o")],
+        capture_output=True,
+        text=True,
+    )
+    assert r.returncode == 2 and r.stdout == "" and not (tmp_path / "o").exists()
+    assert "no flag --epoch (did you mean --epochs?)" in one_error_line(r.stderr) and "usage:" not in r.stderr
+    typed = {
+        "finetune": (["--lora-rank", "8"], "--lora"),
+        "plan": (["--gpu-mem=12"], "--gpu-memory"),
+        "classify": (["--checkpoint", "x", "--bach-size", "4", "hi"], "--batch-size"),
+        "export": (["--checkpoint", "x", "--output", "y", "--overwrit"], "--overwrite"),
+        "generate": (["--max-new", "3", "hi"], "--max-new-tokens"),
+        "download": (["smollm2-135m", "--dri", "w"], "--dir"),
+        "convert": (["a.gguf", "out", "--forc"], "--force"),
+    }
+    for command, (argv, meant) in typed.items():
+        with pytest.raises(SystemExit) as stopped:
+            cli.main([command, *argv])
+        err = capsys.readouterr().err
+        assert stopped.value.code == 2 and f"(did you mean {meant}?)" in one_error_line(err), (command, err)
