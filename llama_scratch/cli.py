@@ -1,5 +1,6 @@
 """What every command's command line shares: a parser that takes flags only as spelt (`--epoch 2` is no
-`--epochs 2`) and tells a usage error in one line, with the nearest flag for a misspelt one.
+`--epochs 2`) and tells a usage error in one line, with the nearest flag for a misspelt one; and warnings of the
+package's own kinds printed as their message alone, not as Python's `file.py:433: DataWarning:` and a source line.
 
 Only the standard library here: `llama-scratch --help` imports this without paying for torch."""
 
@@ -7,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import difflib
+import warnings
 from typing import NoReturn
 
 UNRECOGNIZED = "unrecognized arguments: "  # how argparse starts the message for what no argument takes
@@ -54,3 +56,21 @@ class CommandParser(argparse.ArgumentParser):
             guess = nearest(flag, self.flags())
             told.append(f"no flag {flag}" + (f" (did you mean {guess}?)" if guess else ""))
         return "; ".join(told)
+
+
+_PLAIN: set[type[Warning]] = set()
+_python_format = warnings.formatwarning
+
+
+def _format(message, category, filename, lineno, line=None) -> str:
+    if issubclass(category, tuple(_PLAIN)):
+        return f"warning: {message}\n"
+    return _python_format(message, category, filename, lineno, line)
+
+
+def plain_warnings(*categories: type[Warning]) -> None:
+    """Print warnings of these categories as `warning: MESSAGE`: the message is for the user (a file's bad rows),
+    and the line of our code that raised it tells them nothing. Other warnings keep Python's format. Filters are
+    untouched, so `-W ignore::...` and warnings.simplefilter still silence them."""
+    _PLAIN.update(categories)
+    warnings.formatwarning = _format

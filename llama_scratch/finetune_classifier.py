@@ -18,6 +18,7 @@ from pathlib import Path
 import torch
 
 from .checkpoints.run_record import WEIGHTS_FILE, RunRecord, new_record
+from .cli import plain_warnings
 from .data.batching import TokenizedSplit, default_max_length, encode_texts
 from .data.labelled import DataWarning, LabelledTexts
 from .finetune_args import (
@@ -457,6 +458,7 @@ def final_metrics(
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    plain_warnings(DataWarning)  # a file's skipped rows: the message, not the line of ours that warned
     # Before the first CUDA allocation: segments that grow in place instead of new blocks beside old ones, so a
     # long run's memory does not fragment past the plan (the user's own setting wins).
     os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")

@@ -15,6 +15,8 @@ from llama_scratch import finetune_args
 from llama_scratch.checkpoints.run_record import RECORD_FILE, RUN_MARKER
 from llama_scratch.data.labelled import load_sms_spam
 
+from .test_finetune import args_for, run_module
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -99,3 +101,26 @@ def test_a_misspelt_or_shortened_flag_is_one_line_naming_the_nearest(tmp_path, c
             cli.main([command, *argv])
         err = capsys.readouterr().err
         assert stopped.value.code == 2 and f"(did you mean {meant}?)" in one_error_line(err), (command, err)
+
+
+# ---------------------------------------------------------------------------------------------- 7, 10: a log
+
+
+@pytest.fixture(scope="module")
+def logged_run(tmp_path_factory) -> tuple[subprocess.CompletedProcess, Path]:
+    """`finetune` on a CSV with a broken row, its stderr a pipe (as `2> run.log` makes it): no terminal."""
+    where = tmp_path_factory.mktemp("logged")
+    data = write_csv(where / "mine.csv", ["message", "category"], sms_rows(96))
+    with data.open("a", encoding="utf-8") as f:
+        f.write("a row with three cells,ham,extra\n")
+    out = where / "run"
+    return run_module(*args_for(data, out, "--batch-size", "8")), data
+
+
+def test_a_bad_rows_warning_is_its_message_alone(logged_run):
+    """The warning showed `.../finetune_args.py:433: DataWarning:` and a line of our source."""
+    r, data = logged_run
+    assert r.returncode == 0, r.stderr
+    warned = [line for line in r.stderr.splitlines() if "bad rows" in line]
+    assert warned == [f"warning: {data}: skipped 1 bad rows: line 98: expected 2 columns, found 3"], r.stderr
+    assert "DataWarning" not in r.stderr and ".py:" not in r.stderr and "warnings.warn" not in r.stderr
