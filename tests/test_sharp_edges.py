@@ -4,6 +4,7 @@ line; warnings and progress that read well in a log; the parameters of a quantiz
 classify's; a table of ids and texts; plan advice that finds the one-card recipe; where runs/latest points."""
 
 import csv
+import io
 import subprocess
 import sys
 from pathlib import Path
@@ -12,6 +13,7 @@ import pytest
 
 from llama_scratch import __main__ as cli
 from llama_scratch import finetune_args
+from llama_scratch.checkpoints import progress
 from llama_scratch.checkpoints.run_record import RECORD_FILE, RUN_MARKER
 from llama_scratch.data.labelled import load_sms_spam
 
@@ -124,3 +126,32 @@ def test_a_bad_rows_warning_is_its_message_alone(logged_run):
     warned = [line for line in r.stderr.splitlines() if "bad rows" in line]
     assert warned == [f"warning: {data}: skipped 1 bad rows: line 98: expected 2 columns, found 3"], r.stderr
     assert "DataWarning" not in r.stderr and ".py:" not in r.stderr and "warnings.warn" not in r.stderr
+
+
+def test_progress_in_a_log_is_a_line_per_epoch_not_carriage_returns(logged_run):
+    """A redirected log got hundreds of `\\r` redraws an epoch; now each epoch's bar is one line when it ends (a
+    long one, also a line a quarter)."""
+    r, _ = logged_run
+    assert r.returncode == 0 and "\r" not in r.stderr, r.stderr
+    epochs = [line for line in r.stderr.splitlines() if line.startswith("epoch ")]
+    assert [line.split(":")[0] for line in epochs] == ["epoch 1/2", "epoch 2/2"], r.stderr
+    assert all(" 100%|" in line and "loss=" in line for line in epochs), epochs
+
+
+def test_a_long_bar_in_a_log_writes_a_line_a_quarter(monkeypatch):
+    """What a long epoch writes to a log: a line at each quarter, then its last, never a carriage return."""
+    monkeypatch.setattr(progress, "LONG_SECONDS", 0.0)
+    log = io.StringIO()
+    bar = progress.progress_bar(total=8, desc="epoch 1/1", file=log)
+    assert isinstance(bar, progress.LineBar)
+    for _ in range(8):
+        bar.update(1)
+        bar.refresh()  # tqdm redraws at most every 0.1 s; each step here asks
+    bar.close()
+    lines = log.getvalue().splitlines()
+    assert "\r" not in log.getvalue() and [line.split("|")[0] for line in lines] == [
+        "epoch 1/1:  25%",
+        "epoch 1/1:  50%",
+        "epoch 1/1:  75%",
+        "epoch 1/1: 100%",
+    ]
