@@ -33,7 +33,7 @@ from .finetune_args import (
 )
 from .model.classifier import LlamaClassifier
 from .model.config import LlamaConfig
-from .model.counts import count_parameters
+from .model.counts import count_parameters, held_parameters
 from .model.lora import TARGETS, LoRASettings
 from .model.tokenizer import Tokenizer
 from .parallel.strategy import Processes, Strategy, choose_strategy, teardown
@@ -299,10 +299,10 @@ def run(args: argparse.Namespace, progress: Progress | None = None) -> dict:
     clf, tokenizer, tokenizer_ref = build_classifier(job, log)
     splits, max_length = tokenize(parts, tokenizer, clf.backbone.cfg.max_seq_len, args.max_length, log)
     n_train = sum(p.numel() for p in clf.trainable_parameters().values())
-    log(
-        f"training {n_train:,} of {sum(p.numel() for p in clf.parameters()):,} parameters on {strategy.device} in "
-        f"{choice.dtype}{strategy.describe()}"
-    )
+    held, quantized = held_parameters(clf)
+    in_bits = f" ({quantized:,} of them frozen in {choice.quantize})" if quantized else ""
+    where = f"{strategy.device} in {choice.dtype}{strategy.describe()}"
+    log(f"training {n_train:,} of {held:,} parameters{in_bits} on {where}")
     # Sharded too: every process takes part in each frozen forward and keeps every text's states (prefix_cache).
     progress.phase = "running the frozen layers once per text (the frozen-prefix cache)"
     if use_cache(args.cache_frozen, clf, {k: v.ids for k, v in splits.items()}, strategy, log):

@@ -16,6 +16,8 @@ from llama_scratch import finetune_args
 from llama_scratch.checkpoints import progress
 from llama_scratch.checkpoints.run_record import RECORD_FILE, RUN_MARKER
 from llama_scratch.data.labelled import load_sms_spam
+from llama_scratch.model.counts import count_parameters
+from llama_scratch.model.lora import LoRASettings
 
 from .test_finetune import args_for, run_module
 
@@ -155,3 +157,25 @@ def test_a_long_bar_in_a_log_writes_a_line_a_quarter(monkeypatch):
         "epoch 1/1:  75%",
         "epoch 1/1: 100%",
     ]
+
+
+# ---------------------------------------------------------------------------------------------- 8: --quantize
+
+
+def test_a_quantized_run_counts_every_parameter(tmp_path, capsys):
+    """Under --quantize nf4 the log counted the full-precision part only (35M of SmolLM2's 134.5M): the packed
+    4-bit weights are buffers, not parameters. Now the total is the model's, and how many of them are in NF4."""
+    from llama_scratch import Llama, LlamaConfig
+    from llama_scratch.checkpoints.weights import save_checkpoint
+
+    cfg = LlamaConfig.from_name("tiny")
+    base = tmp_path / "base"
+    save_checkpoint(Llama(cfg), cfg, base)
+    data = write_csv(tmp_path / "d.csv", ["text", "label"], sms_rows(40))
+    argv = ["--model", str(base), "--data", str(data), "--output", str(tmp_path / "run"), "--max-steps", "1"]
+    assert cli.main(["finetune", *argv, "--lora", "4", "--quantize", "nf4", "--max-length", "16"]) == 0
+    counts = count_parameters(cfg, train_last=2, lora=LoRASettings(4))  # the model unquantized, on the meta device
+    total, trained = counts.total, counts.trainable
+    in_blocks = sum(o * i for o, i in counts.frozen_linears)  # what --quantize holds in 4 bits
+    line = next(line for line in capsys.readouterr().out.splitlines() if line.startswith("training "))
+    assert line.startswith(f"training {trained:,} of {total:,} parameters ({in_blocks:,} of them frozen in nf4)")
