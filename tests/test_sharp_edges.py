@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from llama_scratch import __main__ as cli
-from llama_scratch import finetune_args
+from llama_scratch import finetune_args, finetune_classifier
 from llama_scratch.checkpoints import progress
 from llama_scratch.checkpoints.run_record import RECORD_FILE, RUN_MARKER
 from llama_scratch.data.labelled import load_sms_spam
@@ -179,3 +179,39 @@ def test_a_quantized_run_counts_every_parameter(tmp_path, capsys):
     in_blocks = sum(o * i for o, i in counts.frozen_linears)  # what --quantize holds in 4 bits
     line = next(line for line in capsys.readouterr().out.splitlines() if line.startswith("training "))
     assert line.startswith(f"training {trained:,} of {total:,} parameters ({in_blocks:,} of them frozen in nf4)")
+
+
+# ---------------------------------------------------------------------------------------------- 3, 4: classify
+
+
+@pytest.fixture(scope="module")
+def own_files_run(tmp_path_factory) -> tuple[Path, Path]:
+    """A run trained on texts cut to 8 tokens, with validation and test files of its own."""
+    where = tmp_path_factory.mktemp("files")
+    train = write_csv(where / "train.csv", ["text", "label"], sms_rows(60))
+    val = write_csv(where / "val.csv", ["text", "label"], sms_rows(20, start=30))
+    test = write_csv(where / "test.csv", ["text", "label"], sms_rows(40, start=40))
+    out = where / "run"
+    argv = ["--model", "tiny", "--data", str(train), "--val-data", str(val), "--test-data", str(test)]
+    argv += ["--output", str(out), "--max-length", "8", "--max-steps", "3", "--lr", "1e-3", "--batch-size", "8"]
+    assert finetune_classifier.main(argv) == 0
+    return out, test
+
+
+def test_classify_finds_the_text_beside_an_id_column(own_files_run, tmp_path, capsys):
+    """`id,description` was refused ("neither is clearly the label"): classify needs no label, so the column that
+    is not an id is the text."""
+    out, _ = own_files_run
+    rows = [(1000 + i, text) for i, (text, _) in enumerate(sms_rows(6))]
+    table = write_csv(tmp_path / "to_score.csv", ["id", "description"], rows)
+    capsys.readouterr()
+    assert (
+        cli.main(["classify", "--checkpoint", str(out), "--file", str(table), "--output", str(tmp_path / "s.csv")]) == 0
+    )
+    assert "text 'description'" in capsys.readouterr().err
+    with (tmp_path / "s.csv").open(newline="", encoding="utf-8") as f:
+        scored = list(csv.DictReader(f))
+    assert [r["id"] for r in scored] == [str(i) for i, _ in rows] and all(r["predicted"] for r in scored)
+    # With --labels a label is wanted, and two columns of distinct values still name none: asked for by name.
+    assert cli.main(["classify", "--checkpoint", str(out), "--file", str(table), "--labels"]) == 2
+    assert "--label-column" in one_error_line(capsys.readouterr().err)
