@@ -80,7 +80,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument(
         "--max-length",
         type=int,
-        help="cut training texts to this many tokens (default: the longest training text, within the model's context)",
+        help="cut training texts to this many tokens; validation and test texts are evaluated whole (up to the "
+        "model's context), as classify reads them (default: the longest training text, within the model's context)",
     )
     g = p.add_argument_group("model")
     g.add_argument(

@@ -226,13 +226,21 @@ def build_classifier(job: Job, log) -> tuple[LlamaClassifier, Tokenizer, str]:
 def tokenize(
     parts: dict[str, LabelledTexts], tokenizer: Tokenizer, context: int, max_length: int | None, log
 ) -> tuple[dict[str, TokenizedSplit], int]:
-    """Token ids per split, cut to `max_length` (default: the longest training text, within the context)."""
+    """Token ids per split. Training texts are cut to `max_length` (default: the longest training text, within the
+    context); validation and test texts only to the model's context, as `classify` reads a file, so the figures a
+    run reports are the ones classify gives on the same texts (a long test text is not judged by its start)."""
     ids = {k: encode_texts(v.texts, tokenizer)[0] for k, v in parts.items()}
     max_length = max_length or default_max_length(ids["train"], context)
-    truncated = sum(len(x) > max_length for rows in ids.values() for x in rows)
-    log(f"max length {max_length} tokens; {truncated:,} texts truncated")
+    limit = {k: max_length if k == "train" else context for k in parts}
+    cut = {k: sum(len(x) > limit[k] for x in ids[k]) for k in parts}
+    held_out = sum(n for k, n in cut.items() if k != "train")
+    beyond = f"; {held_out:,} validation/test texts longer than the model's context ({context:,}) cut to it"
+    log(
+        f"max length {max_length} tokens; {cut['train']:,} training texts truncated (validation and test texts "
+        f"are evaluated whole, as classify reads them){beyond if held_out else ''}"
+    )
     return {
-        k: TokenizedSplit([x[:max_length] for x in ids[k]], parts[k].targets(), pad_id=tokenizer.pad_id) for k in parts
+        k: TokenizedSplit([x[: limit[k]] for x in ids[k]], parts[k].targets(), pad_id=tokenizer.pad_id) for k in parts
     }, max_length
 
 
