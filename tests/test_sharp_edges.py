@@ -235,3 +235,22 @@ def test_classify_finds_the_text_beside_an_id_column(own_files_run, tmp_path, ca
     # With --labels a label is wanted, and two columns of distinct values still name none: asked for by name.
     assert cli.main(["classify", "--checkpoint", str(out), "--file", str(table), "--labels"]) == 2
     assert "--label-column" in one_error_line(capsys.readouterr().err)
+
+
+# ---------------------------------------------------------------------------------------------- 5: --plan
+
+
+def test_plan_offers_lora_on_nf4_for_the_one_card_named(capsys):
+    """`plan --model llama3-8b --dtype bfloat16 --gpu-memory 12` offered only --shard on 4 GPUs; LoRA on NF4
+    weights fits that one card, and is offered before sharding, and fits when planned as offered."""
+    assert cli.main(["plan", "--model", "llama3-8b", "--dtype", "bfloat16", "--gpu-memory", "12"]) == 2
+    out = capsys.readouterr().out
+    offered = re.findall(r"^    (--\S.*?)\s+needs ([\d.]+) GiB", out, re.MULTILINE)
+    flags = [f for f, _ in offered]
+    assert "--lora 8 --quantize nf4" in flags and flags[-1].startswith("--shard on "), out
+    assert flags.index("--lora 8 --quantize nf4") < flags.index(flags[-1])
+    argv = ["plan", "--model", "llama3-8b", "--dtype", "bfloat16", "--gpu-memory", "12", "--lora", "8"]
+    assert cli.main([*argv, "--quantize", "nf4"]) == 0
+    assert "FITS on the given GPU (12.0 GiB)" in capsys.readouterr().out
+    helped = finetune_args.build_parser()._option_string_actions["--gpu-memory"].help
+    assert "GiB" in helped
