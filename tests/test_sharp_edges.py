@@ -254,3 +254,25 @@ def test_plan_offers_lora_on_nf4_for_the_one_card_named(capsys):
     assert "FITS on the given GPU (12.0 GiB)" in capsys.readouterr().out
     helped = finetune_args.build_parser()._option_string_actions["--gpu-memory"].help
     assert "GiB" in helped
+
+
+# ---------------------------------------------------------------------------------------------- 9: runs/latest
+
+
+def test_runs_latest_follows_generated_folders_only_and_a_bare_resume_says_so(tmp_path, monkeypatch, capsys):
+    """A run given --output is not what runs/latest points at: a bare --resume then finds an older run, and says
+    why and which flag continues the run meant. The docs say so, and no longer that nothing ran on a GPU."""
+    monkeypatch.chdir(tmp_path)
+    data = write_csv(tmp_path / "d.csv", ["text", "label"], sms_rows(40))
+    common = ["--model", "tiny", "--data", str(data), "--max-steps", "1", "--max-length", "16"]
+    assert cli.main(["finetune", *common]) == 0  # runs/tiny-d-csv-DATE-TIME, and runs/latest at it
+    generated = (tmp_path / "runs" / "latest").resolve()
+    assert cli.main(["finetune", *common, "--output", "mine"]) == 0
+    assert (tmp_path / "runs" / "latest").resolve() == generated  # not at mine/
+    capsys.readouterr()
+    assert cli.main(["finetune", "--resume"]) == 2
+    err = one_error_line(capsys.readouterr().err)
+    assert generated.name in err and "finished run" in err and "without --output" in err and "--output RUN" in err
+    finetuning = (ROOT / "docs" / "finetuning.md").read_text()
+    assert "a run given `--output` is not followed" in finetuning
+    assert "None of this has run on a GPU" not in (ROOT / "docs" / "scaling.md").read_text()
