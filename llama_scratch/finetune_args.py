@@ -280,8 +280,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--gpu-memory",
         type=float,
         metavar="GiB",
-        help="GPU memory in GiB (units of 2^30 bytes) to check --plan against (default: the detected GPU's; "
-        "none without a GPU)",
+        help="GPU memory in GiB to check --plan against (default: the detected GPU's; none without a GPU)",
     )
     g = p.add_argument_group("output")
     g.add_argument(

@@ -233,12 +233,10 @@ def tokenize(
     max_length = max_length or default_max_length(ids["train"], context)
     limit = {k: max_length if k == "train" else context for k in parts}
     cut = {k: sum(len(x) > limit[k] for x in ids[k]) for k in parts}
-    held_out = sum(n for k, n in cut.items() if k != "train")
-    beyond = f"; {held_out:,} validation/test texts longer than the model's context ({context:,}) cut to it"
-    log(
-        f"max length {max_length} tokens; {cut['train']:,} training texts truncated (validation and test texts "
-        f"are evaluated whole, as classify reads them){beyond if held_out else ''}"
-    )
+    beyond = sum(cut.values()) - cut["train"]  # validation and test texts longer than the model's context
+    whole = "validation and test texts are evaluated whole, as classify reads them"
+    more = f"; {beyond:,} longer than the model's context, cut to its {context:,} tokens" if beyond else ""
+    log(f"max length {max_length} tokens; {cut['train']:,} training texts truncated ({whole}{more})")
     return {
         k: TokenizedSplit([x[: limit[k]] for x in ids[k]], parts[k].targets(), pad_id=tokenizer.pad_id) for k in parts
     }, max_length
