@@ -18,7 +18,9 @@ from tqdm.auto import tqdm as screen_tqdm
 from tqdm.std import tqdm as std_tqdm
 
 QUARTER = 0.25  # a long bar in a log writes a line at each quarter done
-LONG_SECONDS = 10.0  # a bar running at least this long is worth lines before its end, and one at its end
+# A bar running at least this long is worth lines before its end, and one at its end. A minute: the default CPU
+# run's epochs (20-40 s) then write one line each, an hour-long epoch on a large model one a quarter.
+LONG_SECONDS = 60.0
 # tqdm.auto chose a notebook's widget (a Jupyter kernel, whose stderr is no terminal but shows a live bar).
 IN_NOTEBOOK = any(cls.__module__ == "tqdm.notebook" for cls in screen_tqdm.__mro__)
 
