@@ -9,6 +9,8 @@ from __future__ import annotations
 import importlib
 import sys
 
+from .cli import nearest
+
 # subcommand -> (the module whose main() runs it, flags put first, what it does). The modules are imported only
 # when chosen: `llama-scratch --help` does not pay for torch's start-up.
 COMMANDS: dict[str, tuple[str, list[str], str]] = {
@@ -40,7 +42,8 @@ def main(argv: list[str] | None = None) -> int:
     name, rest = argv[0], argv[1:]
     if name not in COMMANDS:
         known = ", ".join(COMMANDS)
-        print(f"error: no command {name!r}; the commands are {known} (llama-scratch --help)", file=sys.stderr)
+        guess = f" (did you mean {g}?)" if (g := nearest(name, list(COMMANDS))) else ""
+        print(f"error: no command {name!r}{guess}; the commands are {known} (llama-scratch --help)", file=sys.stderr)
         return 2
     module, first, _ = COMMANDS[name]
     return importlib.import_module(f"llama_scratch.{module}").main([*first, *rest])

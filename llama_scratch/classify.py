@@ -21,6 +21,7 @@ import torch
 from .checkpoints.atomic import write_text_atomic
 from .checkpoints.run_record import WEIGHTS_FILE, read_run
 from .checkpoints.weights import CheckpointError, copy_named_file
+from .cli import CommandParser
 from .data.batching import TokenizedSplit, forward, length_sorted_batches, to_batch
 from .data.inputs import read_inputs
 from .data.labelled import SEPARATOR, DataError
@@ -212,7 +213,7 @@ def positive_int(text: str) -> int:
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m llama_scratch.classify", description=__doc__.splitlines()[0])
+    p = CommandParser(prog="python -m llama_scratch.classify", description=__doc__.splitlines()[0])
     p.add_argument("--checkpoint", required=True, type=Path, help="output directory of finetune_classifier")
     p.add_argument("texts", nargs="*", help="texts to classify")
     p.add_argument(

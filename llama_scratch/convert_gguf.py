@@ -8,16 +8,16 @@ never a directory holding anything other than checkpoint files (see `llama_scrat
 
 from __future__ import annotations
 
-import argparse
 import sys
 import time
 
 from .checkpoints.gguf import GGUFError, convert_gguf
+from .cli import CommandParser
 from .model.config import parse_dtype
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(
+    parser = CommandParser(
         prog="python -m llama_scratch.convert_gguf",
         description="Convert a llama.cpp GGUF file (Llama architecture, byte-level BPE tokenizer) into a Hugging "
         "Face-layout checkpoint directory (float32 safetensors, config.json, tokenizer.json) for --model.",

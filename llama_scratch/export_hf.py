@@ -26,6 +26,7 @@ from .checkpoints.export_tokenizer import tokenizer_file, tokenizer_files
 from .checkpoints.export_weights import plan_export, write_weights
 from .checkpoints.model_card import model_card
 from .checkpoints.run_record import WEIGHTS_FILE, read_run
+from .cli import CommandParser
 from .model.config import LlamaConfig, parse_dtype
 from .model.tokenizer import Tokenizer
 from .sources.fetch import DownloadError
@@ -160,7 +161,7 @@ def positive_float(text: str) -> float:
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m llama_scratch.export_hf", description=__doc__.splitlines()[0])
+    p = CommandParser(prog="python -m llama_scratch.export_hf", description=__doc__.splitlines()[0])
     p.add_argument("--checkpoint", required=True, type=Path, help="output directory of finetune_classifier")
     p.add_argument(
         "--output",

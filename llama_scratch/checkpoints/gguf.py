@@ -21,13 +21,13 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from tqdm import tqdm
 
 from ..model.bpe import hf_tokenizer_files
 from ..model.config import LlamaConfig, RopeScaling
 from ..model.llama import Llama, rope_frequencies
 from .gguf_check import GGUFError, check_gguf
 from .hf_layout import check_target, replace_checkpoint
+from .progress import progress_bar
 from .weights import save_checkpoint
 
 # llama.cpp tensor names -> ours. {i} is the block number.
@@ -209,7 +209,7 @@ def convert_gguf(
         cfg.rope_scaling = rope_scaling_from_factors(dequantize(tensors[ROPE_FREQS]), cfg, source)
 
     state: dict[str, torch.Tensor] = {}
-    for name, tensor in tqdm(tensors.items(), desc="dequantizing", unit="tensor", disable=not progress):
+    for name, tensor in progress_bar(tensors.items(), desc="dequantizing", unit="tensor", disable=not progress):
         if name == ROPE_FREQS:
             continue
         weight = dequantize(tensor)

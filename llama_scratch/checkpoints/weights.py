@@ -23,7 +23,6 @@ from pathlib import Path
 
 import torch
 from torch import nn
-from tqdm.auto import tqdm
 
 from ..model.config import LlamaConfig
 from ..model.llama import Llama
@@ -41,6 +40,7 @@ from .hf_layout import (
     tensors_to_write,
     write_safetensors,
 )
+from .progress import progress_bar
 
 # --- loading -------------------------------------------------------------------------------------------------------
 
@@ -156,7 +156,7 @@ def _stream(
     # A quantized weight passes a few rows at a time (_quantize_streamed): the pinned buffers need not hold it.
     whole = [e.nbytes for n, e in entries.items() if not isinstance(params[n], QuantizedLinear)]
     staging = Staging(max(whole, default=0), device)
-    bar = tqdm(total=total, unit_scale=True, desc="loading weights", bar_format=LOAD_BAR, disable=not show)
+    bar = progress_bar(total=total, unit_scale=True, desc="loading weights", bar_format=LOAD_BAR, disable=not show)
     try:
         for file in files:
             todo = sorted((e.offset, n) for n, e in entries.items() if e.file == file)

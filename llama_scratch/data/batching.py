@@ -12,8 +12,8 @@ from typing import Any, Protocol
 
 import torch
 from torch import nn
-from tqdm import tqdm
 
+from ..checkpoints.progress import progress_bar
 from ..model.packing import assemble, layout_parts, to_device
 
 
@@ -35,7 +35,7 @@ def encode_texts(
     """
     if max_length is not None and max_length < 1:
         raise ValueError(f"max_length must be at least 1, got {max_length}")
-    ids = [tokenizer.encode(t, bos=True, eos=False) for t in tqdm(texts, "tokenizing", disable=not progress)]
+    ids = [tokenizer.encode(t, bos=True, eos=False) for t in progress_bar(texts, "tokenizing", disable=not progress)]
     if max_length is None:
         return ids, 0
     return [x[:max_length] for x in ids], sum(len(x) > max_length for x in ids)

@@ -358,15 +358,17 @@ def guess_columns(
     if li is None and is_label is not None:
         named = [j for j, c in enumerate(columns) if j != ti and c.values and all(map(is_label, c.values))]
         li = named[0] if len(named) == 1 else None
+    if len(columns) == 2 and (ti is not None or li is not None):
+        return (1 - li, li) if ti is None else (ti, 1 - ti)
     if len(columns) == 2:
-        if ti is not None or li is not None:
-            return (1 - li, li) if ti is None else (ti, 1 - ti)
         distinct = [len(c.values) for c in columns]
         label = int(distinct[1] < distinct[0])
-        if 2 * distinct[label] > distinct[1 - label]:
+        if 2 * distinct[label] <= distinct[1 - label]:
+            return 1 - label, label
+        if where.need_label:
             why = f"the columns have {distinct[0]} and {distinct[1]} distinct values, so neither is clearly the label"
             raise where.unclear(why)
-        return 1 - label, label
+        # Only the text is wanted (`id,description`): found as in a wider table, an id column set aside.
     free = [j for j, c in enumerate(columns) if j not in (ti, li) and not c.is_id]
     labels = [j for j in free if columns[j].repeats and len(columns[j].values) <= GUESSED_CLASSES]
     if li is None and (len(labels) == 1 or where.need_label):

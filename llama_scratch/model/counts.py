@@ -13,6 +13,7 @@ from .classifier import LlamaClassifier
 from .config import LlamaConfig
 from .llama import Llama
 from .lora import LoRASettings
+from .quantize import QuantizedLinear
 
 
 @dataclass(frozen=True)
@@ -97,3 +98,11 @@ def frozen_linears(clf: LlamaClassifier) -> dict[str, tuple[int, int]]:
         for name, module in clf.backbone.named_modules()
         if isinstance(module, nn.Linear) and not module.weight.requires_grad and module.weight is not embedding
     }
+
+
+def held_parameters(model: nn.Module) -> tuple[int, int]:
+    """(every parameter `model` holds, how many of them are held quantized). A QuantizedLinear keeps its weight as
+    buffers (packed codes and scales), which `parameters()` leaves out: counted here as the out x in weights they
+    stand for, so a --quantize run reports the model's size, not the part left in full precision."""
+    quantized = sum(m.out_features * m.in_features for m in model.modules() if isinstance(m, QuantizedLinear))
+    return sum(p.numel() for p in model.parameters()) + quantized, quantized

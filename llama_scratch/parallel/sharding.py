@@ -31,10 +31,10 @@ import torch
 import torch.distributed as dist
 from safetensors import safe_open
 from torch import nn
-from tqdm.auto import tqdm
 
 from ..checkpoints.atomic import write_text_atomic
 from ..checkpoints.hf_layout import TensorInfo, TensorToWrite, find_checkpoint_files, read_into, write_safetensors
+from ..checkpoints.progress import progress_bar
 from ..checkpoints.resume import ResumeError
 from ..checkpoints.weights import CheckpointError, LoadReport, match_tensors
 from ..model.classifier import LlamaClassifier, new_head
@@ -254,7 +254,7 @@ def load_sharded(
     for name, value in fresh.items():
         set_from_full(params[name], value)
     total = sum(e.nbytes for e in entries.values())
-    with tqdm(total=total, unit="B", unit_scale=True, desc="loading my shards", disable=not progress) as bar:
+    with progress_bar(total=total, unit="B", unit_scale=True, desc="loading my shards", disable=not progress) as bar:
         for name, e in sorted(entries.items(), key=lambda kv: (str(kv[1].file), kv[1].offset)):
             start, stop = local_rows(in_files[name])
             part = torch.empty((stop - start, *e.shape[1:]), dtype=e.dtype)

@@ -12,9 +12,11 @@ from dataclasses import dataclass, field
 
 import torch
 
+from ..model.lora import LoRASettings
 from .memory import FP32, NF4_BLOCK, QUANTIZE, GiB, MemoryPlan, PlanInputs, plan_memory, with_margin
 
 STAGES = ("weights", "weights, state and gradients", "activations", "fits")  # in the order memory fills
+LORA_RANK = 8  # the adapters' rank the advice offers: the recipe the docs and the GPU figures use
 
 
 @dataclass
@@ -60,6 +62,8 @@ def _flags(r: PlanInputs, changes: dict) -> str:
             flags.append("--dtype " + str(value).removeprefix("torch."))
         elif key == "quantize":
             flags.append(f"--quantize {value}")
+        elif key == "lora":
+            flags.append(f"--lora {value.rank}")
         else:
             flags.append(f"{names[key]} {value}")
     return " ".join(flags)
@@ -69,6 +73,21 @@ def replan(r: PlanInputs, changes: dict) -> MemoryPlan:
     if {"batch_size", "seq_len"} & changes.keys():  # other rows or lengths: whole texts, not the budget's tokens
         changes = {"tokens": None, **changes}
     return plan_memory(dataclasses.replace(r, **changes))
+
+
+def _lora(plan: MemoryPlan, weights_fit: bool = True) -> list[tuple[dict, MemoryPlan]]:
+    """LoRA adapters of rank LORA_RANK in the blocks that train, instead of their weights: optimizer state and
+    gradients for a few million parameters instead of whole blocks; and with the frozen weights in NF4 as well
+    (QLoRA), the cheapest recipe of all. Only the NF4 one where the weights alone do not fit (`weights_fit` False).
+    Offered where blocks' weights train: not under --lora already, nor --train-last all (the embedding trains
+    too) or 0 (no block to adapt)."""
+    r = plan.inputs
+    if r.lora is not None or not r.train_last:
+        return []
+    lora = {"lora": LoRASettings(LORA_RANK)}
+    adapted = replan(r, lora)
+    tried = [(lora, adapted)] if weights_fit else []
+    return tried + [({**lora, **changes}, p) for changes, p in _quantized(adapted)]
 
 
 def _quantized(plan: MemoryPlan) -> list[tuple[dict, MemoryPlan]]:
@@ -139,9 +158,11 @@ def _smaller_activations(plan: MemoryPlan, gpu_bytes: int) -> list[tuple[dict, M
     return tried
 
 
-def advise(plan: MemoryPlan, gpu_bytes: int) -> Advice:
+def advise(plan: MemoryPlan, gpu_bytes: int, shard: bool = True) -> Advice:
     """Name the first part of the plan that does not fit on `gpu_bytes` and try only what shrinks that part,
-    re-planning each option. When none fits but the best one gets past this part, go on to the next part."""
+    re-planning each option. When none fits but the best one gets past this part, go on to the next part from
+    it. The options of one GPU come first, cheapest recipe to the most changed; sharding across GPUs (`shard`,
+    where the weights, state or gradients do not fit) last."""
     r, stage = plan.inputs, misfit(plan, gpu_bytes)
     note = ""
     if stage == STAGES[0]:
@@ -149,12 +170,12 @@ def advise(plan: MemoryPlan, gpu_bytes: int) -> Advice:
         held = f"{dtype} and {QUANTIZE[r.quantize]}" if r.quantize else dtype
         problem = _exceeds(f"the {held} weights alone", plan.weights, gpu_bytes)
         tried = [({"dtype": torch.bfloat16}, replan(r, {"dtype": torch.bfloat16}))] if dtype == "float32" else []
-        tried += _quantized(plan)
+        tried += _quantized(plan) + _lora(plan, weights_fit=False)
         note = "no setting helps on one GPU or under DDP (a whole copy per GPU): shard it across GPUs (--shard)"
     elif stage == STAGES[1]:
         fixed = plan.persistent + plan.phases["optimizer step"]
         problem = _exceeds("the weights, optimizer state and gradients", fixed, gpu_bytes) + ", before activations"
-        tried = _fewer_trained(plan, gpu_bytes) + _quantized(plan)
+        tried = _fewer_trained(plan, gpu_bytes) + _quantized(plan) + _lora(plan)
     elif stage == STAGES[2]:
         problem = (
             f"the activations and temporaries of the {plan.peak_phase} ({in_gib(max(plan.phases.values()))}) on "
@@ -166,18 +187,22 @@ def advise(plan: MemoryPlan, gpu_bytes: int) -> Advice:
         return Advice("nothing: it fits")
     tried = [(c, p) for c, p in tried if _flags(r, c)]
     options = [(_flags(r, c), p.required()) for c, p in tried if p.fits(gpu_bytes)]
-    if stage in STAGES[:2] and (sharded := shard_option(plan, gpu_bytes)):
+    closest = None
+    if not options and tried:
+        changes, best = min(tried, key=lambda t: t[1].required())
+        flags = _flags(r, changes)
+        if STAGES.index(misfit(best, gpu_bytes)) == STAGES.index(stage):  # this part does not fit whatever was tried
+            closest = None if note else (flags, best.required())
+        else:  # this part fits now: what else does it take
+            rest = advise(best, gpu_bytes, shard=False)
+            options = [(f"{flags} {f}", n) for f, n in rest.options]
+            closest = (f"{flags} {rest.closest[0]}", rest.closest[1]) if rest.closest else (flags, best.required())
+            note = rest.note
+    if shard and stage in STAGES[:2] and (sharded := shard_option(plan, gpu_bytes)):
         options.append(sharded)
-    if options or not tried:
-        return Advice(problem, options, note="" if options else note)
-    changes, best = min(tried, key=lambda t: t[1].required())
-    flags = _flags(r, changes)
-    if STAGES.index(misfit(best, gpu_bytes)) == STAGES.index(stage):  # this part does not fit whatever was tried
-        return Advice(problem, closest=None if note else (flags, best.required()), note=note)
-    rest = advise(best, gpu_bytes)  # this part fits now: what else does it take
-    options = [(f"{flags} {f}", n) for f, n in rest.options]
-    closest = (f"{flags} {rest.closest[0]}", rest.closest[1]) if rest.closest else (flags, best.required())
-    return Advice(problem, options, None if options else closest, rest.note)
+    if options:
+        return Advice(problem, options)
+    return Advice(problem, closest=closest, note=note)
 
 
 def shard_option(plan: MemoryPlan, gpu_bytes: int) -> tuple[str, int] | None:

@@ -12,8 +12,8 @@ from typing import Protocol
 
 import torch
 from torch import nn
-from tqdm.auto import tqdm
 
+from ..checkpoints.progress import progress_bar
 from ..data.batching import TokenizedSplit, forward, length_sorted_batches, to_batch
 from ..parallel.strategy import Strategy, unwrap
 from . import objective
@@ -74,7 +74,7 @@ def _evaluate(
     # Sharded, every process runs every forward (its blocks are gathered from everyone): one with fewer batches
     # runs a one-row batch more whose result it drops.
     extra = strategy.batches_to_match(len(batches))
-    for k, rows in enumerate(tqdm(batches + [[0]] * extra, desc, leave=False, disable=not strategy.is_main)):
+    for k, rows in enumerate(progress_bar(batches + [[0]] * extra, desc, leave=False, disable=not strategy.is_main)):
         batch = to_batch(split, rows, s.padding_side, device)
         logits = forward(model, batch).float()
         if k >= len(batches):

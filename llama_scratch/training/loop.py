@@ -16,9 +16,9 @@ from typing import ClassVar
 
 import torch
 from torch import nn
-from tqdm.auto import tqdm
 
 from ..checkpoints import resume
+from ..checkpoints.progress import progress_bar
 from ..data.batching import TokenizedSplit, forward, to_batch
 from ..model.packing import to_device
 from ..parallel.strategy import Replicated, Strategy, optimizer_kernels, unwrap
@@ -382,7 +382,7 @@ def train_epoch(loop: Loop, split: TokenizedSplit, state: TrainState) -> bool:
     """One epoch's optimizer steps from where `state` stands; True when it ran to its end (not the step limit)."""
     s, strategy = loop.s, loop.strategy
     batches, step_rows = epoch_plan([len(x) for x in split.ids], state.epoch, s, strategy.processes)
-    bar = tqdm(
+    bar = progress_bar(
         total=len(batches) // s.grad_accum,
         initial=state.batches_done // s.grad_accum,
         desc=f"epoch {state.epoch + 1}/{s.epochs}",

@@ -11,8 +11,8 @@ import itertools
 from collections.abc import Iterable
 
 import torch
-from tqdm.auto import tqdm
 
+from ..checkpoints.progress import progress_bar
 from ..data.batching import TokenizedSplit, collate, length_sorted_batches
 from ..model.classifier import LlamaClassifier
 from ..model.packing import pack_ids, to_device
@@ -66,7 +66,7 @@ def compute_frozen_states(
     # Not inference_mode: training reads these states. Sharded, the root's parameters stay gathered after its
     # forward (it expects a backward): freed when the pass ends.
     with strategy.forwards_only(clf, inference=False):
-        for k, rows in enumerate(tqdm(batches + [[0]] * extra, desc, leave=False, disable=quiet)):
+        for k, rows in enumerate(progress_bar(batches + [[0]] * extra, desc, leave=False, disable=quiet)):
             if packed:  # no padding: each text's states are its own stretch of the stream
                 ids, layout = pack_ids([token_lists[i] for i in rows], device)
                 out = layout.split(clf.frozen_prefix(ids, packed=layout))

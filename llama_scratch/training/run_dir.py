@@ -121,6 +121,26 @@ def latest_run(runs: Path = RUNS_DIR) -> Path:
     return (runs / "latest").resolve()
 
 
+def resumable(out: Path, overwrite: bool, latest: bool = False) -> dict | None:
+    """What `--resume --output OUT` continues, decided before anything is loaded: the flags the run in `out` was
+    started with (None: a run of an older version, which kept none: the flags typed are its flags). Refused in one
+    line when `out` holds no run of ours to continue: missing, empty, finished (`check_output`) or not ours.
+    `latest`: `out` is what runs/latest points at (bare --resume), which follows only runs without --output."""
+    try:
+        if not out.is_dir():
+            raise OutputError(f"--resume: {out} does not exist, so there is no run to continue; leave out --resume")
+        state = check_output(out, resume=True, overwrite=overwrite)
+        flags = read_flags(out)
+        if state == "new" and flags is None:
+            raise OutputError(f"--resume: {out} holds no run to continue; leave out --resume to start one there")
+    except OutputError as e:
+        if not latest:
+            raise
+        why = f"{e} ({RUNS_DIR}/latest follows the newest run started without --output: pass --output RUN)"
+        raise OutputError(why) from None
+    return flags
+
+
 def read_flags(out: Path) -> dict | None:
     """The flags the run in `out` was started with (None: no record, as in a run of an older version)."""
     path = out / FLAGS_FILE
