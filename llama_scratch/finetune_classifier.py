@@ -21,16 +21,8 @@ from .checkpoints.run_record import WEIGHTS_FILE, RunRecord, new_record
 from .cli import plain_warnings
 from .data.batching import TokenizedSplit, default_max_length, encode_texts
 from .data.labelled import DataWarning, LabelledTexts
-from .finetune_args import (
-    held_out_identity,
-    parse_args,
-    quantize_setting,
-    read_data,
-    recorded_flags,
-    refuse_float16,
-    resumed_flags,
-    split_files,
-)
+from .finetune_args import parse_args, quantize_setting, recorded_flags, refuse_float16, resumed_flags
+from .finetune_data import held_out_identity, read_data, split_files
 from .model.classifier import LlamaClassifier
 from .model.config import LlamaConfig
 from .model.counts import count_parameters, held_parameters

@@ -11,7 +11,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from llama_scratch import Llama, LlamaClassifier, LlamaConfig, finetune_args
+from llama_scratch import Llama, LlamaClassifier, LlamaConfig, finetune_data
 from llama_scratch import finetune_classifier as command
 from llama_scratch.data.batching import TokenizedSplit, forward, to_batch
 from llama_scratch.model.lora import LoRASettings
@@ -265,7 +265,7 @@ def test_plan_command_prints_without_loading_anything(monkeypatch, capsys):
     def refuse(*args, **kwargs):
         raise AssertionError("--plan must not load data or weights")
 
-    monkeypatch.setattr(finetune_args, "load_dataset", refuse)  # read_data's reader
+    monkeypatch.setattr(finetune_data, "load_dataset", refuse)  # read_data's reader
     monkeypatch.setattr(command, "build_classifier", refuse)  # loads the weights (the strategy's way)
     monkeypatch.setattr(command, "choose_strategy", refuse)  # joins the processes, chooses the device
     argv = ["--model", "llama3-8b", "--train-last", "1", "--batch-size", "8", "--max-length", "128", "--plan"]
