@@ -29,6 +29,40 @@ def proc_status(pid: int | str = "self") -> dict[str, int]:
     return out
 
 
+class PeakSampler:
+    """The highest value of a /proc/self/status line (RssAnon by default) while the `with` block runs, read every
+    `interval` seconds on a thread.
+
+    VmHWM, the kernel's own high-water mark, counts file-backed pages too (a memory-mapped checkpoint read once is
+    resident but not owned), and says nothing about which part was the process's own memory; a reading after the
+    block misses what was freed before it ended. Sampling sees the transient. Peaks shorter than `interval` can still
+    be missed: it is a lower bound, read beside VmHWM."""
+
+    def __init__(self, key: str = "RssAnon", interval: float = 0.005):
+        self.key, self.interval = key, interval
+        self.peak, self.samples = 0, 0
+        self._done = threading.Event()
+        self._thread = threading.Thread(target=self._watch, daemon=True)
+
+    def _read(self) -> None:
+        self.peak = max(self.peak, proc_status()[self.key])
+        self.samples += 1
+
+    def _watch(self) -> None:
+        while not self._done.wait(self.interval):
+            self._read()
+
+    def __enter__(self) -> PeakSampler:
+        self._read()
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._done.set()
+        self._thread.join()
+        self._read()
+
+
 def mem_available() -> int:
     """Memory the kernel can hand out without swapping (free plus reclaimable page cache), in bytes."""
     with open("/proc/meminfo") as f:

@@ -19,8 +19,10 @@ Reported per method: load seconds; seconds to then touch every memory page of ev
 defers the cost must not count as free); the seconds `cat` needs to read the files from the page cache into one
 reused buffer, and load time relative to it and to `raw` (fresh memory costs page faults, which on a VM can cost
 more than the copy); peak resident memory above the process's baseline / checkpoint size, after loading and after
-the touch; bytes read from disk rather than the page cache. With --device cuda: peak
-`torch.cuda.max_memory_allocated()` / checkpoint size instead of resident memory.
+the touch; the process's anonymous memory (RssAnon: its own, not the mapped files' pages) above its baseline /
+checkpoint size, at its highest while loading (read every 5 ms on a thread: a transient the load frees before it
+returns shows here, not in a reading after it) and once loaded; bytes read from disk rather than the page cache.
+With --device cuda: peak `torch.cuda.max_memory_allocated()` / checkpoint size instead of resident memory.
 """
 
 from __future__ import annotations
@@ -33,7 +35,16 @@ import time
 from pathlib import Path
 
 import torch
-from common import GiB, checkpoint_files, mem_available, proc_status, python_cmd, read_files, run_watched
+from common import (
+    GiB,
+    PeakSampler,
+    checkpoint_files,
+    mem_available,
+    proc_status,
+    python_cmd,
+    read_files,
+    run_watched,
+)
 
 METHODS = ["raw", "ours", "ours-copy", "nf4", "transformers", "naive"]
 
@@ -113,13 +124,18 @@ def worker(method: str, ckpt: Path, device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.init()
         torch.cuda.reset_peak_memory_stats(device)
-    base = proc_status()["VmRSS"]
+    status = proc_status()
+    base, anon_base = status["VmRSS"], status["RssAnon"]
     disk0 = disk_read_bytes()
     start = time.perf_counter()
-    model = load(method, ckpt, device)
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
+    with PeakSampler("RssAnon", 0.005) as anon:
+        model = load(method, ckpt, device)
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
     result = {"load_s": time.perf_counter() - start, "base": base, "hwm_load": proc_status()["VmHWM"]}
+    # The process's own memory: sampled during the load (its transient) and once it has returned.
+    result |= {"anon_base": anon_base, "anon_peak": anon.peak, "anon_after": proc_status()["RssAnon"]}
+    result["anon_samples"] = anon.samples
     if device.type == "cuda":
         result["cuda_load"] = torch.cuda.max_memory_allocated(device)
     start = time.perf_counter()
@@ -175,13 +191,14 @@ def table(rows: list[dict], ckpt_bytes: int, device: str) -> str:
         ["GPU peak after load / ckpt", "after touch / ckpt"]
         if gpu
         else ["peak RSS after load", "/ ckpt", "after touching every param", "/ ckpt"]
+        + ["anon peak during load / ckpt", "anon after load / ckpt"]
     )
     head += ["disk read GiB", "note"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in rows:
         if "load_s" not in r:
             seen = f"{r['peak_seen'] / GiB:.2f} GiB when it died" if r.get("peak_seen") else ""
-            cells = [r["method"], "-", "-", f"{r['raw_s']:.2f}", "-", "-", *["-"] * (2 if gpu else 4), "-"]
+            cells = [r["method"], "-", "-", f"{r['raw_s']:.2f}", "-", "-", *["-"] * (2 if gpu else 6), "-"]
             lines.append("| " + " | ".join([*cells, f"{r['note']} {seen}"]) + " |")
             continue
         cells = [r["method"], f"{r['load_s']:.2f}", f"{r['touch_s']:.2f}", f"{r['raw_s']:.2f}"]
@@ -192,6 +209,8 @@ def table(rows: list[dict], ckpt_bytes: int, device: str) -> str:
             load, touched = r["hwm_load"] - r["base"], r["hwm_touch"] - r["base"]
             cells += [f"{load / GiB:.2f} GiB", f"{load / ckpt_bytes:.3f}"]
             cells += [f"{touched / GiB:.2f} GiB", f"{touched / ckpt_bytes:.3f}"]
+            during, after = r["anon_peak"] - r["anon_base"], r["anon_after"] - r["anon_base"]
+            cells += [f"{during / ckpt_bytes:.3f} ({during / GiB:.2f} GiB)", f"{after / ckpt_bytes:.3f}"]
         cells += [f"{r['disk_read'] / GiB:.2f}", r.get("gpu", "")]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)

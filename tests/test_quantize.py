@@ -275,6 +275,32 @@ def test_the_streaming_load_quantizes_every_frozen_linear_as_from_the_full_weigh
     assert 0.01 < gap < 0.3 and gap8 < 0.03, (gap, gap8)
 
 
+def test_every_quantized_layer_is_allocated_before_the_first_weight_is_read(base, monkeypatch):
+    """The loader allocates all the quantized layers' codes and scales first, so that on the CPU they do not land
+    among the heap holes that the row chunks' temporaries leave (which let the load's resident memory climb far
+    above what it ends with: benchmarks/load_memory.py samples it during the load). Each layer once, all before
+    the first chunk is quantized."""
+    events = []
+    real_fill, real_to_empty = QuantizedLinear.fill_rows, QuantizedLinear.to_empty
+
+    def fill_rows(self, start, rows):
+        events.append("fill")
+        real_fill(self, start, rows)
+
+    def to_empty(self, *args, **kwargs):
+        events.append("allocate")
+        return real_to_empty(self, *args, **kwargs)
+
+    monkeypatch.setattr(QuantizedLinear, "fill_rows", fill_rows)
+    monkeypatch.setattr(QuantizedLinear, "to_empty", to_empty)
+    monkeypatch.setattr(weights, "QUANTIZE_CHUNK", 64 * 50)  # several chunks per weight
+    q = load_model(base, quantize="nf4", keep_last=1)
+    layers = [m for m in q.modules() if isinstance(m, QuantizedLinear)]
+    first = events.index("fill")
+    assert events[:first] == ["allocate"] * len(layers) and "allocate" not in events[first:]
+    assert events.count("fill") > len(layers)
+
+
 def test_a_tied_head_stays_the_embedding():
     model = Llama(LlamaConfig.from_name("tiny", vocab_size=512))
     names = quantize_linears(model, "int8")

@@ -117,6 +117,7 @@ def load_weights(
     device = _normalize(device)
     aliases = _aliases(model)
     show = progress if progress is not None else int(os.environ.get("RANK", "0")) == 0
+    _allocate_quantized(params.values(), device)
     _stream(files, entries, params, aliases, device, mmap, show, report)
     if quantize is not None and (device is None or device.type == "cpu"):
         return_freed_host_memory()
@@ -128,6 +129,20 @@ def load_weights(
     _materialize_buffers(model, device or model.embed_tokens.weight.device)
     report.seconds = time.perf_counter() - start
     return report
+
+
+def _allocate_quantized(targets: Iterable, device: torch.device | None) -> None:
+    """Every quantized layer's codes and scales allocated on the target device now, before any weight is read.
+
+    Allocated one layer at a time as the stream reaches it, on the CPU, each new layer's buffers land among the
+    heap holes that the previous chunks' temporaries left (glibc serves blocks of these sizes from its heap once
+    large blocks have been freed, and its heap shrinks from the top only): holes split this way no longer fit the
+    next chunk's temporaries, which grow the heap instead, and the load's resident memory climbs far above what
+    it ends with. Allocated first, together, the buffers stay apart from the temporaries, which then reuse the same
+    few holes chunk after chunk."""
+    for layer in targets:
+        if isinstance(layer, QuantizedLinear) and (layer.codes.is_meta or device not in (None, layer.codes.device)):
+            layer.to_empty(device=device or torch.device("cpu"))
 
 
 def return_freed_host_memory() -> None:
