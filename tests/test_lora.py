@@ -191,10 +191,11 @@ def test_saved_run_classifies_as_at_the_end_of_training(small_csv, base, tmp_pat
         assert clf.backbone.blocks[3].attention.q_proj.lora_b.abs().sum() > 0  # B moved from zero: it trained
     else:
         assert meta["lora"] is None
-    # The test split as the run cut it; its loss, recomputed from classify's probabilities, is the run's: a head or
-    # an adapter left at its initialisation (or a base weight not loaded) would change it far beyond 1e-5.
+    # The test split, read whole as the run evaluates it; its loss, recomputed from classify's probabilities, is the
+    # run's: a head or an adapter left at its initialisation (or a base weight not loaded) would change it far beyond
+    # 1e-5.
     test = split_dataset(load_dataset(str(small_csv)), "full", seed=123)["test"]
-    probs = classify.predict_proba(clf, tokenizer, test.texts, max_length=meta["max_length"])
+    probs = classify.predict_proba(clf, tokenizer, test.texts)
     loss = -probs[torch.arange(len(test)), torch.tensor(test.labels)].log().mean().item()
     assert loss == pytest.approx(metrics["test_loss"], abs=1e-5)
     confusion = [[0, 0], [0, 0]]
