@@ -380,8 +380,8 @@ def test_a_quantized_run_classifies_as_it_evaluated_and_exports(base, small_csv,
     with test_csv.open("w", newline="") as f:
         labels = [data.label_names[y] for y in test.labels]
         csv.writer(f).writerows([["message", "category"], *zip(test.texts, labels, strict=True)])
+    # The texts read whole, as the run evaluates them.
     argv = ["--checkpoint", str(run), "--file", str(test_csv), "--labels", "--output", str(scored)]
-    argv += ["--max-length", "32"]  # as the run cut its texts
     assert classify.main([*argv, "--device", "cpu", "--dtype", "float32"]) == 0
     with scored.open(newline="") as f:
         rows = list(csv.DictReader(f))
