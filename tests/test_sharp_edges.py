@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from llama_scratch import __main__ as cli
-from llama_scratch import finetune_args, finetune_classifier
+from llama_scratch import finetune_args, finetune_classifier, finetune_data
 from llama_scratch.checkpoints import progress
 from llama_scratch.checkpoints.run_record import RECORD_FILE, RUN_MARKER
 from llama_scratch.data.labelled import load_sms_spam
@@ -57,7 +57,7 @@ def test_resume_of_a_missing_or_finished_run_is_refused_before_anything_loads(tm
     def no_data(*args, **kwargs):
         raise AssertionError("the data was read before --resume was refused")
 
-    monkeypatch.setattr(finetune_args, "load_dataset", no_data)
+    monkeypatch.setattr(finetune_data, "load_dataset", no_data)
     missing = tmp_path / "never-started"
     assert cli.main(["finetune", "--resume", "--output", str(missing)]) == 2
     out, err = capsys.readouterr()
