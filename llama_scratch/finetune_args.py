@@ -148,7 +148,7 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="N",
         help="micro-batches of up to N tokens instead of --batch-size rows: texts grouped by length, so short "
         "texts make big batches and long ones small, every step about as much work (a longer text goes alone); "
-        "fewer, larger steps than the default, see docs/finetuning.md (default: off)",
+        "fewer, larger steps than with rows, see docs/finetuning.md (default: off)",
     )
     g.add_argument(
         "--grad-accum",

@@ -384,7 +384,7 @@ def test_save_weights_writes_tied_tensors_once(tmp_path):
 def test_download_offline_without_cache_explains(tmp_path, monkeypatch, capsys):
     import huggingface_hub.constants
 
-    from llama_scratch.sources import fetch as download
+    from llama_scratch import download
 
     monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
     monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(tmp_path / "cache"))
@@ -405,14 +405,15 @@ def test_download_special_sources_dispatch(tmp_path, monkeypatch):
 def test_download_gated_repo_explains_how_to_get_access(tmp_path, monkeypatch, capsys):
     from huggingface_hub.errors import GatedRepoError
 
-    from llama_scratch.sources import fetch as download
+    from llama_scratch import download
+    from llama_scratch.sources import fetch
 
     def gated(repo_id, **kwargs):
         # built without __init__, whose signature (an HTTP response object) changes between huggingface_hub versions
         raise GatedRepoError.__new__(GatedRepoError, "403 Client Error: access to model is restricted")
 
-    monkeypatch.setattr(download, "snapshot_download", gated)
-    monkeypatch.setattr(download, "get_token", lambda: None)
+    monkeypatch.setattr(fetch, "snapshot_download", gated)
+    monkeypatch.setattr(fetch, "get_token", lambda: None)
     assert download.main(["meta-llama/Meta-Llama-3-8B", "--dir", str(tmp_path)]) == 1
     err = capsys.readouterr().err
     assert "meta-llama/Meta-Llama-3-8B is a gated repository" in err
