@@ -268,7 +268,11 @@ def test_sharded_run_caches_the_frozen_layers_and_trains_as_without(checkpoint, 
     assert "caching" not in runs["off"].stdout
     a, b = (load_file(tmp_path / d / "classifier.safetensors") for d in ("on", "off"))
     assert a.keys() == b.keys()
-    assert max((a[k] - b[k]).abs().max().item() for k in a) <= 1e-5
+    # The cache runs the frozen blocks over evaluation-size batches, the uncached run over each micro-batch: float32
+    # sums in another order (~1e-7 relative), which Adam's division by each gradient's RMS magnifies where a
+    # gradient is near zero. Measured 2.3e-5 on one CPU kind, under 1e-5 on another: the bound is a tenth of one
+    # step's size (lr 1e-3), and the figures below must be equal.
+    assert max((a[k] - b[k]).abs().max().item() for k in a) <= 1e-4
     ma, mb = (json.loads((tmp_path / d / "metrics.json").read_text()) for d in ("on", "off"))
     for key in ("train_accuracy", "val_accuracy", "test_accuracy", "test_confusion", "steps"):
         assert ma[key] == mb[key], key
