@@ -31,6 +31,7 @@ from .model.config import LlamaConfig, parse_dtype
 from .model.tokenizer import Tokenizer
 from .sources.fetch import DownloadError
 from .sources.resolve import local_checkpoint
+from .training.run_dir import read_metrics
 
 MARKER = "llama_scratch_export.json"  # names the files an export wrote: only those are ever replaced
 GB = 10**9
@@ -93,14 +94,6 @@ def hf_config(
     return config | ({"bos_token_id": tokenizer.bos_id} if tokenizer.bos_id is not None else {})
 
 
-def read_metrics(run: Path) -> dict:
-    """metrics.json for the model card; a run without one still exports."""
-    try:
-        return json.loads((run / "metrics.json").read_text(encoding="utf-8"))
-    except (OSError, ValueError):
-        return {}
-
-
 def export(
     run: Path,
     out: Path,
@@ -114,6 +107,7 @@ def export(
     """Write the export of the finished run `run` into `out` (built beside it, then swapped in)."""
     check_output(out, overwrite)
     record = read_run(run)
+    metrics = read_metrics(run)  # for the model card; a run without one still exports
     cfg = record.model_config()
     torch_dtype = parse_dtype(dtype or record.dtype)
     if torch_dtype not in (torch.float32, torch.bfloat16):  # only a run trained in float16 gets here
@@ -127,7 +121,7 @@ def export(
     texts = tokenizer_files(vocab, tokenizer, cfg.max_seq_len)
     config = hf_config(cfg, record.label_names, tokenizer, torch_dtype, record.multi_label)
     texts["config.json"] = json.dumps(config, indent=2) + "\n"
-    texts["README.md"] = model_card(record, read_metrics(run), torch_dtype, command or f"export of {run}")
+    texts["README.md"] = model_card(record, metrics, torch_dtype, command or f"export of {run}")
 
     def build(tmp: Path) -> None:
         written = write_weights(tmp, planned, torch_dtype, record.lora, max_shard_bytes, log)

@@ -242,8 +242,11 @@ def test_adapters_without_lora_settings_are_refused(pretrained_run, tmp_path, ca
     meta["lora"]["targets"] = ["q", "k", "v", "down"]  # k_proj in the settings, no adapter in the file
     (lora_run / "classifier.json").write_text(json.dumps(meta))
     assert "describe an adapter on blocks.2.attention.k_proj, but" in export_fails(capsys, lora_run, tmp_path / "o")
-    del meta["lora"]
+    meta["lora"] = None
     (lora_run / "classifier.json").write_text(json.dumps(meta))
+    assert "has no 'lora' settings" in export_fails(capsys, lora_run, tmp_path / "o")
+    older = {k: v for k, v in meta.items() if k not in ("schema_version", "lora")}  # a record from before LoRA
+    (lora_run / "classifier.json").write_text(json.dumps(older))
     assert "has no 'lora' settings" in export_fails(capsys, lora_run, tmp_path / "o")
     assert not (tmp_path / "o").exists()
 

@@ -297,8 +297,12 @@ def test_an_older_record_without_multi_label_reads_as_one_label_per_text(small_c
     out = tmp_path / "run"
     assert finetune_classifier.main(args_for(small_csv, out, "--max-steps", "1")) == 0
     record = json.loads((out / "classifier.json").read_text())
-    assert "multi_label" not in record and "threshold" not in record  # a single-label run writes neither
+    assert record["multi_label"] is False and record["threshold"] is None  # a single-label run's
     assert not read_run(out).multi_label and read_run(out).threshold is None
+    older = {k: v for k, v in record.items() if k not in ("schema_version", "multi_label", "threshold")}
+    (out / "classifier.json").write_text(json.dumps(older))  # as a run from before --multi-label wrote it
+    assert not read_run(out).multi_label and read_run(out).threshold is None
+    (out / "classifier.json").write_text(json.dumps(record))
     capsys.readouterr()
     assert classify.main(["--checkpoint", str(out), "--threshold", "0.3", "some text"]) == 2
     err = capsys.readouterr().err

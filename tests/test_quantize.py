@@ -398,7 +398,7 @@ def test_a_quantized_run_classifies_as_it_evaluated_and_exports(base, small_csv,
     ids = [tokenizer.encode(t, bos=True) for t in TEXTS]
     full_run = tmp_path / "full-run"
     shutil.copytree(run, full_run)
-    del record["quantize"]
+    record["quantize"] = None
     (full_run / "classifier.json").write_text(json.dumps(record))
     full, _, _ = classify.load_classifier(full_run, device="cpu", dtype="float32")
     assert logit_gap(full, model, ids, tokenizer.pad_id, "right") < 1e-4

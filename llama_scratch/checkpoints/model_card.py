@@ -1,6 +1,7 @@
 """README.md of an export, the model card: what the model is, what it learned from, how well it did, how it was
-made and how to load it. Everything comes from the run's record (classifier.json) and metrics.json; nothing is
-guessed."""
+made and how to load it. Everything comes from the run's record (classifier.json) and metrics.json, both read in
+their current shape (`run_record.read_run`, `run_dir.read_metrics`: older versions are upgraded there, so nothing
+here asks which version wrote them); nothing is guessed."""
 
 from __future__ import annotations
 
@@ -12,8 +13,8 @@ import torch
 from .run_record import RunRecord
 
 
-def model_card(record: RunRecord, metrics: dict, dtype: torch.dtype, command: str) -> str:
-    """The whole card: Hugging Face front matter, then the sections."""
+def model_card(record: RunRecord, metrics: dict | None, dtype: torch.dtype, command: str) -> str:
+    """The whole card: Hugging Face front matter, then the sections. `metrics` None: the run has no metrics.json."""
     parts = [
         front_matter(record),
         f"# {title(record, metrics)}\n\n{summary(record, metrics)}",
@@ -41,42 +42,42 @@ def base_name(record: RunRecord) -> str:
     return f"`{record.base_model_repo or record.base_model}`"
 
 
-def data_name(metrics: dict) -> str | None:
+def data_name(metrics: dict | None) -> str | None:
     """The data file's name, not its path: a card is published, the folders it sat in are nobody's business."""
-    return Path(metrics["data"]).name if metrics.get("data") else None
+    return Path(metrics["data"]).name if metrics and metrics["data"] else None
 
 
-def title(record: RunRecord, metrics: dict) -> str:
+def title(record: RunRecord, metrics: dict | None) -> str:
     data = data_name(metrics)
     kind, classes = ("Multi-label text classifier", "labels") if record.multi_label else ("Text classifier", "classes")
     return f"{kind} ({len(record.label_names)} {classes}{f', {data}' if data else ''})"
 
 
-def summary(record: RunRecord, metrics: dict) -> str:
+def summary(record: RunRecord, metrics: dict | None) -> str:
     lines = [f"A `LlamaForSequenceClassification` fine-tuned from {base_name(record)} with llama_scratch."]
     if data := data_name(metrics):
-        files = {k: Path(v["file"]).name for k, v in metrics.get("split_files", {}).items()}
+        files = {k: Path(v["file"]).name for k, v in metrics["split_files"].items()}
         sizes = ", ".join(
-            f"{k} {v:,}" + (f" from `{files[k]}`" if files.get(k, data) != data else "")
-            for k, v in metrics.get("split_sizes", {}).items()
+            f"{k} {v:,}" + (f" from `{files[k]}`" if files[k] != data else "")
+            for k, v in metrics["split_sizes"].items()
         )
-        split = metrics.get("split", "?")
+        split = metrics["split"]
         cut = "validation and test files of its own" if split is None else f"split `{split}`"
         lines.append(f"Data: `{data}`, {cut} ({sizes} texts).")
     if record.multi_label:
-        origin = metrics.get("threshold_chosen_on", "validation")
+        origin = metrics["threshold_chosen_on"] if metrics else "validation"  # a run without figures: its default
         origin = "given by --threshold" if origin == "--threshold" else f"chosen on {origin}"
         lines.append(
             f"Multi-label: each label has its own probability (a sigmoid of its logit; `problem_type` "
             f"`multi_label_classification`), and a text has every label whose probability is at least "
             f"{record.threshold:g} ({origin})."
         )
-        if "test_micro_f1" in metrics:
+        if metrics:
             lines.append(
                 f"Test micro-F1 {metrics['test_micro_f1']:.4f}, macro-F1 {metrics['test_macro_f1']:.4f}, exact "
                 f"match {metrics['test_accuracy']:.2%}."
             )
-    elif "test_accuracy" in metrics:
+    elif metrics:
         lines.append(f"Test accuracy: {metrics['test_accuracy']:.2%}.")
     return " ".join(lines)
 
@@ -111,18 +112,17 @@ def labels(record: RunRecord) -> str:
     return f"## Labels\n\n| id | label |\n| --- | --- |\n{rows}"
 
 
-def results(metrics: dict) -> str:
+def results(metrics: dict | None) -> str:
     """Accuracy and loss per split, and the test split per class, from metrics.json (a --multi-label run's:
     exact-match accuracy, micro-F1 and loss at its threshold, and the test split per label)."""
     if not metrics:
         return "## Results\n\nThe run has no metrics.json."
-    multi = "threshold" in metrics
+    multi = metrics["multi_label"]
     rows = [
         f"| {k} | {metrics[f'{k}_accuracy']:.2%} | "
         + (f"{metrics[f'{k}_micro_f1']:.4f} | " if multi else "")
         + f"{metrics[f'{k}_loss']:.4f} |"
         for k in ("train", "val", "test")
-        if f"{k}_accuracy" in metrics
     ]
     head = (
         "| split | exact match | micro-F1 | loss |\n| --- | --- | --- | --- |"
@@ -130,7 +130,7 @@ def results(metrics: dict) -> str:
         else ("| split | accuracy | loss |\n| --- | --- | --- |")
     )
     text = f"## Results\n\n{head}\n" + "\n".join(rows)
-    if per_class := metrics.get("test_per_class"):
+    if per_class := metrics["test_per_class"]:
         text += (
             f"\n\nTest split per {'label' if multi else 'class'}:\n\n| label | precision | recall | F1 | support |\n"
         )
@@ -142,7 +142,7 @@ def results(metrics: dict) -> str:
     return text
 
 
-def training(record: RunRecord, metrics: dict, dtype: torch.dtype) -> str:
+def training(record: RunRecord, metrics: dict | None, dtype: torch.dtype) -> str:
     """What trained and how: blocks, adapters, lengths, dtypes and the training settings."""
     last = record.train_last
     trained = "every weight" if last is None else f"the head, the final norm and the last {last} blocks"
@@ -157,9 +157,9 @@ def training(record: RunRecord, metrics: dict, dtype: torch.dtype) -> str:
         f"- texts cut to {record.max_length} tokens in training; trained in {record.dtype}, exported in "
         f"{str(dtype).removeprefix('torch.')}"
     )
-    if "steps" in metrics:
+    if metrics:
         steps = metrics["steps"]
-        lines.append(f"- {steps:,} optimizer step{'s' if steps != 1 else ''}, best epoch {metrics.get('best_epoch')}")
+        lines.append(f"- {steps:,} optimizer step{'s' if steps != 1 else ''}, best epoch {metrics['best_epoch']}")
     settings = record.settings or {}
     shown = {
         k: v

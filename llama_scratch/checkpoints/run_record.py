@@ -6,8 +6,11 @@ trained from random weights) and this record, written last. It says which base m
 as given, the path relative to the run so that a run moved together with its base still works, and the Hub repo
 it came from), the model's config, the classes, how many blocks trained and which LoRA adapters are in them, the
 tokenizer, the length and dtype of training, the settings, whether a text has several labels (`multi_label`, with
-the `threshold` that decides each; absent in runs from before: one label per text), and the run id that the
-weights file carries too.
+the `threshold` that decides each), and the run id that the weights file carries too.
+
+The record carries its `schema_version` (`RECORD_VERSION`; `checkpoints.versions`), and every key is written, null
+where there is nothing to say. A record written before versions were kept (version 1) lacks the keys added since
+the first release; `upgrade_1` says what their absence meant, so that everything past `read_record` sees one shape.
 
 `finetune_classifier` builds a record from plain values (`new_record`) and writes it (`write_record`); `classify`
 and `export_hf` read it (`read_run`) with every check made here, so a hand-edited, foreign or half-copied run is
@@ -34,6 +37,7 @@ from ..model.lora import TARGETS, LoRASettings
 from ..model.quantize import KINDS as QUANTIZE_KINDS
 from .atomic import write_text_atomic
 from .hf_layout import CheckpointError
+from .versions import upgraded, versioned
 
 if TYPE_CHECKING:
     import torch
@@ -42,8 +46,9 @@ RECORD_FILE = "classifier.json"  # written last, when a run finishes
 WEIGHTS_FILE = "classifier.safetensors"  # its metadata holds the run id the record holds
 RUN_MARKER = ".llama_scratch-run"  # written when a run starts, finished or not
 
-# What a record must hold for a run to be loaded; the others came later (LoRA, settings, run ids, relative paths)
-# and a run of an older version may lack them.
+RECORD_VERSION = 2  # the shape `write_record` writes; `read_record` brings older ones to it (UPGRADES)
+
+# What every version of the record held: a version 1 record lacking one of these is not a run's record.
 REQUIRED_KEYS = (
     "base_model",
     "weights_include_backbone",
@@ -55,7 +60,30 @@ REQUIRED_KEYS = (
     "max_length",
     "dtype",
 )
+# The keys version 1 records may lack, added as the tool grew, and what a record without them meant: the base named
+# by its path alone, whole blocks trained, settings and run id not recorded, the base in full precision, the data not
+# recorded, one label per text.
+ADDED_IN_VERSION_1 = {
+    "base_model_relative": None,
+    "base_model_repo": None,
+    "lora": None,
+    "settings": None,
+    "run_id": None,
+    "quantize": None,
+    "data": None,
+    "multi_label": False,
+    "threshold": None,
+}
 LORA_KEYS = ("rank", "alpha", "dropout", "targets", "blocks")
+
+
+def upgrade_1(meta: dict) -> dict:
+    """A version 1 record (no `schema_version`: written before versions were kept) as version 2: every key it lacks
+    (`ADDED_IN_VERSION_1`) with the meaning its absence had."""
+    return ADDED_IN_VERSION_1 | meta
+
+
+UPGRADES = {1: upgrade_1}  # version n -> n + 1, applied in turn by `checkpoints.versions.upgraded`
 
 
 def is_run_folder(path: Path) -> bool:
@@ -92,7 +120,7 @@ class RecordedLoRA:
 
     @classmethod
     def from_json(cls, entry: object, path: Path) -> RecordedLoRA | None:
-        """The "lora" entry as written by a run (None: the run trained whole blocks, or predates LoRA)."""
+        """The "lora" entry as written by a run (None: the run trained whole blocks)."""
         if entry is None:
             return None
         try:
@@ -122,10 +150,12 @@ def _lora_settings(entry: object) -> LoRASettings:
 
 @dataclass(frozen=True)
 class RunRecord:
-    """classifier.json, checked: field names are the file's keys. `path` is where it was read from (None for a
-    record not yet written); messages name it."""
+    """classifier.json, checked: field names are the file's keys, in the file's order. `path` is where it was read
+    from (None for a record not yet written); messages name it."""
 
     base_model: str  # an absolute checkpoint path, or a preset's name (a model trained from random weights)
+    base_model_relative: str | None  # base_model relative to the run's folder (None: a preset, or not recorded)
+    base_model_repo: str | None  # the Hub repo the base was fetched from (None: not fetched from the Hub)
     weights_include_backbone: bool  # trained from random weights: the weights file holds the whole model
     config: dict  # the model's config.json fields (`LlamaConfig.to_hf_dict`)
     num_classes: int
@@ -135,37 +165,21 @@ class RunRecord:
     tokenizer: str  # "llama3" (the llama-models vocabulary), else the path it was read from
     max_length: int  # texts were cut to this many tokens in training
     dtype: str  # the dtype it trained in, e.g. "bfloat16"
-    base_model_relative: str | None = None  # base_model relative to the run's folder
-    base_model_repo: str | None = None  # the Hub repo the base was fetched from
-    settings: dict | None = None  # the TrainSettings it trained with
-    run_id: str | None = None  # the weights file's metadata holds the same
-    quantize: str | None = None  # "nf4" or "int8": the frozen base weights were held quantized (absent: off)
-    data: dict | None = None  # per split, the file it came from and a digest of what was read (absent: older runs)
-    multi_label: bool = False  # --multi-label: a sigmoid per label (absent: older runs, one label per text)
-    threshold: float | None = None  # --multi-label: a label is predicted at this probability or above
+    quantize: str | None  # "nf4" or "int8": the frozen base weights were held quantized (None: full precision)
+    data: dict | None  # per split, the file it came from and a digest of what was read (None: not recorded)
+    settings: dict | None  # the TrainSettings it trained with (None: not recorded)
+    run_id: str | None  # the weights file's metadata holds the same (None: neither records one)
+    multi_label: bool  # --multi-label: a sigmoid per label (False: one label per text, a softmax)
+    threshold: float | None  # --multi-label: a label is predicted at this probability or above
     path: Path | None = field(default=None, compare=False)
 
     def model_config(self) -> LlamaConfig:
         return LlamaConfig.from_hf_dict(self.config, source=str(self.path))
 
     def to_json(self) -> dict:
-        """The record as written, keys in the order a run writes them; optional ones only when there."""
-        optional = {"base_model_relative": self.base_model_relative, "base_model_repo": self.base_model_repo}
-        record = {"base_model": self.base_model, **{k: v for k, v in optional.items() if v is not None}}
-        record |= {
-            "weights_include_backbone": self.weights_include_backbone,
-            "config": self.config,
-            "num_classes": self.num_classes,
-            "label_names": self.label_names,
-            "train_last": self.train_last,
-            "lora": self.lora.to_json() if self.lora else None,
-            "tokenizer": self.tokenizer,
-            "max_length": self.max_length,
-            "dtype": self.dtype,
-        }
-        later = {"quantize": self.quantize, "data": self.data, "settings": self.settings, "run_id": self.run_id}
-        labels = {"multi_label": True, "threshold": self.threshold} if self.multi_label else {}
-        return record | {k: v for k, v in later.items() if v is not None} | labels
+        """The record as written: its version, then every key in the order of the fields (null where none)."""
+        record = {k: getattr(self, k) for k in RECORD_KEYS}
+        return versioned(record | {"lora": self.lora.to_json() if self.lora else None}, RECORD_VERSION)
 
     def find_base(self, override: str | Path | None) -> str:
         """The base checkpoint: `--model` if given; else as recorded, relative to the run (a run moved together with
@@ -189,14 +203,17 @@ class RunRecord:
         )
 
 
+RECORD_KEYS = tuple(f.name for f in dataclasses.fields(RunRecord) if f.name != "path")  # the file's, in order
+
+
 def base_model_fields(model_ref: str, repo_id: str | None, out: Path) -> dict:
     """Where a run finds its base model again: the path as given (absolute), the path relative to the run (a run
     moved together with its weights still works), and the Hub repo id it came from, if any."""
     path = Path(model_ref)
     if not path.exists():  # a preset: nothing on disk
-        return {"base_model": model_ref}
-    fields = {"base_model": str(path.resolve()), "base_model_relative": os.path.relpath(path.resolve(), out.resolve())}
-    return fields | ({"base_model_repo": repo_id} if repo_id else {})
+        return {"base_model": model_ref, "base_model_relative": None, "base_model_repo": None}
+    relative = os.path.relpath(path.resolve(), out.resolve())
+    return {"base_model": str(path.resolve()), "base_model_relative": relative, "base_model_repo": repo_id or None}
 
 
 def new_record(
@@ -232,9 +249,10 @@ def new_record(
         tokenizer=tokenizer,
         max_length=max_length,
         dtype=str(dtype).removeprefix("torch."),
-        settings=dataclasses.asdict(settings),
         quantize=quantize,
         data=data,
+        settings=dataclasses.asdict(settings),
+        run_id=None,  # `write_results` adds it, with the other results
         multi_label=multi_label,
         threshold=threshold,
     )
@@ -269,28 +287,30 @@ def read_run(run_dir: Path) -> RunRecord:
 
 
 def read_record(record_path: Path, weights_path: Path) -> RunRecord:
-    """classifier.json, checked to hold what loading needs, with the types a run writes, and to come from the same
-    run as the weights file."""
+    """classifier.json, brought to the current shape (`UPGRADES`; a newer version is refused), checked to hold
+    what loading needs, with the types a run writes, and to come from the same run as the weights file."""
     try:
         meta = json.loads(record_path.read_text(encoding="utf-8"))
         with safe_open(weights_path, framework="pt") as f:
-            weights_run = (f.metadata() or {}).get("run_id")
+            weights_run = (f.metadata() or {}).get("run_id")  # safetensors metadata: absent unless a run set it
     except (UnicodeDecodeError, json.JSONDecodeError, SafetensorError) as e:
         raise CheckpointError(f"{record_path.parent}: unreadable run files: {e}") from None
-    missing = [k for k in REQUIRED_KEYS if k not in meta] if isinstance(meta, dict) else list(REQUIRED_KEYS)
-    if missing:
+    if not isinstance(meta, dict):
+        raise CheckpointError(f"{record_path} is not a classifier description (it lacks {', '.join(REQUIRED_KEYS)})")
+    meta = upgraded(meta, record_path, RECORD_VERSION, UPGRADES)
+    if missing := [k for k in RECORD_KEYS if k not in meta]:
         raise CheckpointError(f"{record_path} is not a classifier description (it lacks {', '.join(missing)})")
     if wrong := wrong_types(meta):
         raise CheckpointError(f"{record_path}: {', '.join(wrong)} not as a finished run writes them")
-    if meta.get("run_id") != weights_run:  # runs from before run ids have neither
+    if meta["run_id"] != weights_run:  # a record that names no run id matches only weights that name none
         raise CheckpointError(
             f"{record_path.parent}: {RECORD_FILE} and {WEIGHTS_FILE} come from different runs (run ids "
-            f"{meta.get('run_id')} and {weights_run}); train again into a new --output"
+            f"{meta['run_id']} and {weights_run}); train again into a new --output"
         )
-    keys = (*REQUIRED_KEYS, "base_model_relative", "base_model_repo", "settings", "run_id", "quantize", "data")
-    keys += ("multi_label", "threshold")
-    lora = RecordedLoRA.from_json(meta.get("lora"), record_path)
-    return RunRecord(**{k: meta[k] for k in keys if k in meta}, lora=lora, path=record_path)
+    return RunRecord(
+        **{k: meta[k] for k in RECORD_KEYS} | {"lora": RecordedLoRA.from_json(meta["lora"], record_path)},
+        path=record_path,
+    )
 
 
 def wrong_types(meta: dict) -> list[str]:
@@ -314,14 +334,14 @@ def wrong_types(meta: dict) -> list[str]:
             wrong.append("label_names")
     if not (meta["train_last"] is None or type(meta["train_last"]) is int):
         wrong.append("train_last")
-    optional = {"base_model_relative": str, "base_model_repo": str, "settings": dict}
-    wrong += [k for k, kind in optional.items() if meta.get(k) is not None and not isinstance(meta[k], kind)]
-    if meta.get("quantize") not in (None, *QUANTIZE_KINDS):
+    optional = {"base_model_relative": str, "base_model_repo": str, "settings": dict, "run_id": str, "data": dict}
+    wrong += [k for k, kind in optional.items() if meta[k] is not None and not isinstance(meta[k], kind)]
+    if meta["quantize"] not in (None, *QUANTIZE_KINDS):
         wrong.append("quantize")
-    if type(meta.get("multi_label", False)) is not bool:
+    if type(meta["multi_label"]) is not bool:
         wrong.append("multi_label")
-    elif meta.get("multi_label") and not (type(meta.get("threshold")) is float and 0 < meta["threshold"] < 1):
+    elif meta["multi_label"] and not (type(meta["threshold"]) is float and 0 < meta["threshold"] < 1):
         wrong.append("threshold")  # a multi-label run's labels are decided by it: a number between 0 and 1
-    elif not meta.get("multi_label") and meta.get("threshold") is not None:
+    elif not meta["multi_label"] and meta["threshold"] is not None:
         wrong.append("threshold")
     return wrong

@@ -8,6 +8,9 @@ the flags say, so pointing --output at the wrong folder never overwrites or dele
 While a run trains, the directory holds only work files (the resume point and the best weights so far). The
 results appear at the end, `classifier.json` last; each result carries the run's id, and `classify` checks that
 the weights and `classifier.json` share it, so files of two runs are never taken for one.
+
+`metrics.json` carries its `schema_version` (`METRICS_VERSION`, `checkpoints.versions`); `read_metrics` brings one
+written before versions were kept to the current shape (`upgrade_metrics_1`) and refuses one newer than this code.
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ from pathlib import Path
 
 from ..checkpoints.atomic import write_atomic, write_text_atomic
 from ..checkpoints.run_record import RECORD_FILE, RUN_MARKER, WEIGHTS_FILE, RunRecord, write_record
+from ..checkpoints.versions import upgraded, versioned
 from ..parallel.strategy import Strategy, is_resume_dir
 from .evaluation import per_step
 from .loop import RESUME_DIR, RESUME_FILE
@@ -33,13 +37,15 @@ from .loop import RESUME_DIR, RESUME_FILE
 RUNS_DIR = Path("runs")  # where runs go when --output is not given
 BEST_FILE = "best.safetensors"  # the best trained weights so far, while the run trains
 FLAGS_FILE = "run_flags.json"  # the flags the run was started with: `--resume --output RUN` needs no others
+METRICS_FILE = "metrics.json"  # the run's figures and what they were measured on
+METRICS_VERSION = 2  # the shape `write_results` writes; `read_metrics` brings older ones to it
 WORK_FILES = (RESUME_FILE, BEST_FILE, RESUME_DIR, FLAGS_FILE)
 RESULT_FILES = (
     WEIGHTS_FILE,
     "history.csv",
     "history.png",
     "confusion.png",
-    "metrics.json",
+    METRICS_FILE,
     RECORD_FILE,
 )
 MARKER = RUN_MARKER  # written when a run starts: only a directory holding it is ours to clear
@@ -280,14 +286,47 @@ def write_results(out: Path, run_id: str, metrics: dict, record: RunRecord, hist
     files go."""
     metrics["run_id"] = run_id
     write_text_atomic(out / "history.csv", history_csv(history))
-    plot_history(history, out / "history.png", metrics.get("best_step"))
+    plot_history(history, out / "history.png", metrics["best_step"])
     if "test_confusion" in metrics:  # none under --multi-label: a text is in several classes at once
         plot_confusion(metrics["test_confusion"], metrics["label_names"], out / "confusion.png")
-    write_text_atomic(out / "metrics.json", json.dumps(metrics, indent=2) + "\n")
+    write_text_atomic(out / METRICS_FILE, json.dumps(versioned(metrics, METRICS_VERSION), indent=2) + "\n")
     write_record(out, dataclasses.replace(record, run_id=run_id))
     for name in (BEST_FILE, FLAGS_FILE, RESUME_FILE, RESUME_DIR):  # spent; the resume point last: a crash here
         # reads "unfinished"
         remove_ours(out / name)
+
+
+def upgrade_metrics_1(metrics: dict) -> dict:
+    """A version 1 metrics.json (no `schema_version`: written before versions were kept) as version 2: the keys
+    added as the tool grew, with what a file without them meant. A --multi-label run has always recorded its
+    threshold; before --select-by the kept weights were those of the best validation accuracy; before
+    --val-data/--test-data every split was cut from --data (whose digest was not recorded); the best step, the
+    run id and the macro-F1 of each split were not recorded."""
+    splits = metrics.get("split_sizes") or {}
+    added = {
+        "split_files": {k: {"file": metrics.get("data"), "digest": None} for k in splits},
+        "multi_label": "threshold" in metrics,
+        "select_by": "accuracy",
+        "best_step": None,
+        "run_id": None,
+        **{f"{k}_macro_f1": None for k in splits},
+    }
+    return added | metrics
+
+
+METRICS_UPGRADES = {1: upgrade_metrics_1}  # version n -> n + 1, applied in turn by `checkpoints.versions.upgraded`
+
+
+def read_metrics(out: Path) -> dict | None:
+    """The finished run's metrics.json in the current shape; None when there is none or it is not a JSON object
+    (the figures are a report, not needed to load the weights: an export without them says so). A version newer
+    than this code is refused (CheckpointError, naming the file and the version)."""
+    path = out / METRICS_FILE
+    try:
+        metrics = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError):  # ValueError: not UTF-8, or not JSON
+        return None
+    return upgraded(metrics, path, METRICS_VERSION, METRICS_UPGRADES) if isinstance(metrics, dict) else None
 
 
 def start_output(out: Path, resume: bool, pointed: bool, strategy: Strategy, flags: dict) -> None:
