@@ -195,6 +195,35 @@ def test_the_figures_are_exact_match_micro_and_macro_f1_and_per_label():
     assert label_set_figures([[0.5, 0.0, 0.0]], [[1, 0, 0]], 0.5)["accuracy"] == 1.0
 
 
+def test_where_a_multi_label_run_s_accuracy_is_the_exact_match_it_is_called_so(tmp_path, monkeypatch):
+    """The history and metrics keep the key `accuracy` (scripts and --select-by read it), but what a person reads
+    calls a --multi-label run's figure what it is: the log's history lines, which weights were kept, the plot."""
+    import matplotlib.pyplot as plt
+
+    from llama_scratch.training.evaluation import history_line, kept_row
+    from llama_scratch.training.run_dir import plot_history
+
+    rows = [
+        {"epoch": e, "step": 4 * e, "train_loss": 0.5, "train_accuracy": 0.6, "val_loss": 0.1, "val_accuracy": acc}
+        | {"val_macro_f1": acc - 0.1}
+        for e, acc in ((1, 0.9), (2, 0.95), (3, 0.93))
+    ]
+    said = kept_row(rows, 8, "accuracy", multi_label=True)
+    assert "(the best validation exact match, 95.00%, at validation loss 0.1000)" in said and "accuracy" not in said
+    assert "at validation exact match 95.00%" in kept_row(rows, 8, "loss", multi_label=True)
+    assert "the best validation accuracy, 95.00%" in kept_row(rows, 8, "accuracy")  # one label a text: accuracy
+    line = history_line(rows[0], multi_label=True)
+    assert line == "epoch 1: step 4, train loss 0.5000 exact match 60.00%, val loss 0.1000 exact match 90.00% " + (
+        "macro-F1 0.8000"
+    )
+    assert history_line(rows[0], multi_label=False) == line.replace("exact match", "acc")
+    drawn = []
+    monkeypatch.setattr(plt, "close", drawn.append)  # the figure, kept to read its labels
+    for multi in (True, False):
+        plot_history(rows, tmp_path / "history.png", 8, multi_label=multi)
+    assert [[ax.get_ylabel() for ax in fig.axes] for fig in drawn] == [["loss", "exact match"], ["loss", "accuracy"]]
+
+
 def test_the_threshold_is_the_best_micro_f1_on_validation_nearest_one_half_of_equals():
     targets = [[1, 0], [0, 1], [1, 1], [0, 0]]
     # Every threshold in (0.2, 0.7] separates these perfectly: of the equals, 0.5 itself.
@@ -229,6 +258,8 @@ def test_a_multi_label_run_trains_classifies_several_labels_and_exports_to_trans
     assert metrics["threshold"] in [k / 20 for k in range(1, 20)]
     assert set(metrics["test_per_class"]) == {"music", "politics", "sports"} and "test_confusion" not in metrics
     assert f"test micro-F1 {metrics['test_micro_f1']:.4f}, macro-F1 {metrics['test_macro_f1']:.4f}" in log
+    epochs = [line for line in log.splitlines() if line.startswith("epoch ")]  # `accuracy` is the exact match
+    assert epochs and all(" exact match " in line and " acc " not in line for line in epochs), epochs
     assert metrics["val_micro_f1"] > 0.8  # the keywords were learned (1.0 on this data and seed)
     assert not (out / "confusion.png").exists()
     record = read_run(out)

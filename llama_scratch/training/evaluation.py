@@ -30,6 +30,19 @@ SELECT_BY = ("accuracy", "macro_f1", "loss")  # what --select-by may name: the m
 THRESHOLDS = tuple(k / 20 for k in range(1, 20))  # --multi-label: the thresholds tried on validation, 0.05 .. 0.95
 
 
+def accuracy_name(multi_label: bool) -> str:
+    """What an evaluation's `accuracy` is called where a person reads it: under --multi-label the exact match (every
+    label of a text right). The key stays `accuracy` in the history and metrics.json, so that --select-by and
+    scripts read one name whatever the run."""
+    return "exact match" if multi_label else "accuracy"
+
+
+def label_sets(result: dict) -> bool:
+    """Whether `evaluate` gave a --multi-label split's result: every row's probabilities, for a threshold to be
+    chosen later, and no confusion matrix."""
+    return "probabilities" in result
+
+
 def check_threshold_value(threshold: float) -> float:
     """A --threshold, refused in one line unless strictly between 0 and 1 (at 0 or 1 every label, or none, would be
     predicted whatever the text): finetune's and classify's flag alike."""
@@ -215,7 +228,7 @@ def final_figures(results: dict[str, dict], label_names: list[str], threshold: f
     maximises micro-F1 on the validation split (`choose_threshold`), said in `threshold` and
     `threshold_chosen_on`; every split's figures at it (`accuracy`: exact match), micro-F1 beside macro-F1, the
     test split per label; no confusion matrix (a text is in several classes at once)."""
-    if "probabilities" not in results["test"]:
+    if not label_sets(results["test"]):
         test = results["test"]
         return {
             **{f"{k}_{m}": r[m] for m in ("accuracy", "loss", "macro_f1") for k, r in results.items()},
@@ -263,17 +276,30 @@ def selection_key(row: dict, select_by: str) -> tuple[float, float]:
     return row[f"val_{select_by}"], -row["val_loss"]
 
 
-def kept_row(history: list[dict], best_step: int, select_by: str) -> str:
+def history_line(row: dict, multi_label: bool) -> str:
+    """An evaluation's history row as the log shows it (`loop.finish_epoch`): the running training figures and the
+    validation split's, `accuracy` named for what it is (`accuracy_name`)."""
+    acc = accuracy_name(multi_label) if multi_label else "acc"  # a short word on a long line
+    return (
+        f"epoch {row['epoch']}: step {row['step']}, train loss {row['train_loss']:.4f} {acc} "
+        f"{row['train_accuracy']:.2%}, val loss {row['val_loss']:.4f} {acc} {row['val_accuracy']:.2%} "
+        f"macro-F1 {row['val_macro_f1']:.4f}"
+    )
+
+
+def kept_row(history: list[dict], best_step: int, select_by: str, multi_label: bool = False) -> str:
     """Which evaluation's weights the run keeps, and why: the final figures are theirs, not the last row's (whose
-    training figures were also counted on the batches as they trained, not in a pass of their own)."""
+    training figures were also counted on the batches as they trained, not in a pass of their own). `multi_label`:
+    the run's `accuracy` is the exact match, and is called so."""
     best = next((r for r in history if r["step"] == best_step), None)
     if best is None:
         return "no epoch was evaluated: keeping the weights as they are"
+    accuracy = accuracy_name(multi_label)
     if select_by == "loss":
-        why = f"the lowest validation loss, {best['val_loss']:.4f}, at validation accuracy {best['val_accuracy']:.2%}"
+        why = f"the lowest validation loss, {best['val_loss']:.4f}, at validation {accuracy} {best['val_accuracy']:.2%}"
     else:
         value = f"{best['val_accuracy']:.2%}" if select_by == "accuracy" else f"{best['val_macro_f1']:.4f}"
-        shown = "accuracy" if select_by == "accuracy" else "macro-F1"
+        shown = accuracy if select_by == "accuracy" else "macro-F1"
         why = f"the best validation {shown}, {value}, at validation loss {best['val_loss']:.4f}"
     unit = "step" if per_step(history) else "epoch"
     last = history[-1]

@@ -23,7 +23,7 @@ from ..data.batching import TokenizedSplit, forward, to_batch
 from ..model.packing import to_device
 from ..parallel.strategy import Replicated, Strategy, optimizer_kernels, unwrap
 from . import objective
-from .evaluation import evaluate, selection_key
+from .evaluation import evaluate, history_line, label_sets, selection_key
 from .interrupts import interrupts_deferred, stops_noted
 from .optim import MasterWeightAdamW
 from .steps import check_enough_data, epoch_plan
@@ -311,11 +311,7 @@ def finish_epoch(state: TrainState, val: dict, complete: bool, on_best, log, sel
     }
     state.history.append(row)
     state.evaluated_step, state.row_sums = state.step, [0.0, 0.0, 0.0]
-    log(
-        f"epoch {row['epoch']}: step {row['step']}, train loss {row['train_loss']:.4f} acc "
-        f"{row['train_accuracy']:.2%}, val loss {row['val_loss']:.4f} acc {row['val_accuracy']:.2%} "
-        f"macro-F1 {row['val_macro_f1']:.4f}"
-    )
+    log(history_line(row, label_sets(val)))
     # Before any best, the figures are -1 and infinity: any evaluation beats them, whatever the measure.
     best = {"val_accuracy": state.best_val_accuracy, "val_loss": state.best_val_loss}
     if selection_key(row, select_by) > selection_key(best | {"val_macro_f1": state.best_val_macro_f1}, select_by):

@@ -31,7 +31,7 @@ from ..checkpoints.atomic import write_atomic, write_text_atomic
 from ..checkpoints.run_record import RECORD_FILE, RUN_MARKER, WEIGHTS_FILE, RunRecord, write_record
 from ..checkpoints.versions import upgraded, versioned
 from ..parallel.strategy import Strategy, is_resume_dir
-from .evaluation import per_step
+from .evaluation import accuracy_name, per_step
 from .loop import RESUME_DIR, RESUME_FILE
 
 RUNS_DIR = Path("runs")  # where runs go when --output is not given
@@ -229,10 +229,11 @@ def _pyplot():
     return plt
 
 
-def plot_history(rows: list[dict], path: Path, best_step: int | None = None) -> None:
+def plot_history(rows: list[dict], path: Path, best_step: int | None = None, multi_label: bool = False) -> None:
     """history.png: loss and accuracy at each evaluation, training (the mean since the row before) and validation,
     with the evaluation whose weights the run kept marked (the final figures are its, not necessarily the last
-    row's). By epoch, or by optimizer step when there are rows inside epochs (--eval-every)."""
+    row's). By epoch, or by optimizer step when there are rows inside epochs (--eval-every). A --multi-label run's
+    `accuracy` is the exact match (every label of a text right), and its plot says so."""
     plt = _pyplot()
     unit = "step" if per_step(rows) else "epoch"
     xs = [r[unit] for r in rows]
@@ -243,7 +244,7 @@ def plot_history(rows: list[dict], path: Path, best_step: int | None = None) -> 
         ax2.plot(xs, [r[f"{split}_accuracy"] for r in rows], marker="o", label=split)
     if unit == "step":  # the measure --select-by may choose, beside accuracy
         ax2.plot(xs, [r["val_macro_f1"] for r in rows], marker=".", linestyle=":", label="val macro-F1")
-    for ax, what in ((ax1, "loss"), (ax2, "accuracy")):
+    for ax, what in ((ax1, "loss"), (ax2, accuracy_name(multi_label))):
         ax.set(xlabel=unit, ylabel=what, title=what)
         if unit == "epoch":
             # Whole epochs only, half an epoch of margin: one epoch alone would otherwise get an axis from 0.96 to
@@ -286,7 +287,7 @@ def write_results(out: Path, run_id: str, metrics: dict, record: RunRecord, hist
     files go."""
     metrics["run_id"] = run_id
     write_text_atomic(out / "history.csv", history_csv(history))
-    plot_history(history, out / "history.png", metrics["best_step"])
+    plot_history(history, out / "history.png", metrics["best_step"], metrics["multi_label"])
     if "test_confusion" in metrics:  # none under --multi-label: a text is in several classes at once
         plot_confusion(metrics["test_confusion"], metrics["label_names"], out / "confusion.png")
     write_text_atomic(out / METRICS_FILE, json.dumps(versioned(metrics, METRICS_VERSION), indent=2) + "\n")
