@@ -489,6 +489,24 @@ def test_gpu_staging_alternates_two_buffers_and_waits_before_refilling_one(monke
     assert staging.buffers == []
 
 
+def test_gpu_staging_gives_back_its_first_buffer_when_the_second_cannot_be_pinned(monkeypatch):
+    """cudaHostRegister can fail for the second buffer (too little page-locked memory left): the first, already
+    pinned, is unpinned before the error goes on, rather than staying pinned for the life of the process."""
+    cuda = FakeCuda(monkeypatch)
+    pinned = weights.pinned_buffer
+
+    def second_fails(nbytes):
+        if cuda.asked:
+            raise RuntimeError("CUDA error: out of memory (cudaHostRegister)")
+        return pinned(nbytes)
+
+    monkeypatch.setattr(weights, "pinned_buffer", second_fails)
+    with pytest.raises(RuntimeError, match="cudaHostRegister"):
+        weights.Staging(64, torch.device("cuda", 0))
+    assert cuda.asked == [64] and cuda.log == [("unpin", 64)]
+    assert [r() for r in cuda.buffers] == [None], "the first buffer outlived the failed staging"
+
+
 def test_gpu_staging_waits_on_the_stream_of_the_gpu_it_copies_to(monkeypatch):
     """--device cuda:1 with cuda:0 current (no command calls set_device): the copy runs on cuda:1's stream, so the
     event a buffer's refill waits for must be recorded there, not on the current device's stream."""

@@ -271,9 +271,15 @@ class Staging:
 
     def __init__(self, nbytes: int, device: torch.device | None):
         self.device = device  # the GPU the copies go to: their stream is that device's, whichever device is current
-        self.buffers: list[torch.Tensor] = [pinned_buffer(nbytes) for _ in range(2)] if pins(device) else []
+        self.buffers: list[torch.Tensor] = []
         self.copied: list = [None, None]  # the event recorded after each buffer's last copy
         self.turn = 0
+        try:
+            while pins(device) and len(self.buffers) < 2:
+                self.buffers.append(pinned_buffer(nbytes))
+        except BaseException:  # the second could not be pinned (too little page-locked memory left, Ctrl-C)
+            self.release()  # the first stays pinned otherwise, for the rest of the process: no one holds it to undo
+            raise
 
     def take(self, e: TensorInfo) -> torch.Tensor:
         """An empty tensor of `e`'s dtype and shape to read the bytes into."""
@@ -307,9 +313,12 @@ class Staging:
             if done is not None:
                 done.synchronize()
         self.copied = [None, None]
-        for buffer in self.buffers:
-            unpin(buffer)
-        self.buffers = []
+        self.release()
+
+    def release(self) -> None:
+        """Unpin the buffers taken (no copy may still read them) and let them go."""
+        while self.buffers:
+            unpin(self.buffers.pop())
 
 
 def _load_one(
