@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from llama_scratch import classify, export_hf, finetune_classifier, generate
-from llama_scratch.data.inputs import choose_columns, known_label
+from llama_scratch.data.inputs import choose_columns, known_label, read_inputs
 from llama_scratch.data.labelled import load_dataset
 
 from .test_finetune import args_for
@@ -83,6 +83,32 @@ def test_an_unknown_label_is_one_error_naming_the_line_and_the_known_labels(run,
     err = classify_fails(capsys, run, "--file", data, "--labels", "--output", tmp_path / "scored.csv")
     assert "new.csv line 3" in err and "'spamm'" in err and "(ham, spam)" in err
     assert not (tmp_path / "scored.csv").exists()
+
+
+def test_several_labels_in_a_cell_are_refused_for_a_run_of_one_label_per_text(run, tmp_path, capsys, monkeypatch):
+    """A --multi-label file's `a;b` cell scored against a single-label run: one line naming the file, the row and the
+    value, before the model loads (the column finder found the column, as it finds a --multi-label run's); a class
+    whose own name holds ';' (a run trained on it without --multi-label) is still that class."""
+    monkeypatch.setattr(classify, "load_classifier", lambda *a, **k: pytest.fail("the model was loaded"))
+    several = (
+        "label 'ham;spam' is several labels (;-separated), but this classifier has one label per text (its run was "
+        "not --multi-label); give each text one label"
+    )
+    for name, text, row in (
+        ("tagged.csv", "text,label\nwin a prize now,spam\nsee you at lunch,ham;spam\n", 3),
+        ("headerless.csv", "win a prize now,spam\nsee you at lunch,ham;spam\nrunning late,ham\n", 2),
+        ("tagged.jsonl", '{"text": "win a prize now", "label": "spam"}\n{"text": "lunch?", "label": "ham;spam"}\n', 2),
+    ):
+        (tmp_path / name).write_text(text)
+        err = classify_fails(capsys, run, "--file", tmp_path / name, "--labels")
+        assert err == f"error: {tmp_path / name} line {row}: {several}\n"
+    (tmp_path / "own.csv").write_text("text,label\nwin a prize now,a;b\nlunch,c\n")
+    assert read_inputs([], str(tmp_path / "own.csv"), None, None, True, ["a;b", "c"]).labels == ["a;b", "c"]
+    multi = read_inputs([], str(tmp_path / "tagged.csv"), None, None, True, ["ham", "spam"], multi_label=True)
+    assert multi.labels == ["spam", "ham;spam"]  # a --multi-label run reads the same file's sets
+    unknown = "label 'ham;spamm' is not one of this classifier's labels (ham, spam)"
+    (tmp_path / "typo.csv").write_text("text,label\nwin a prize now,ham;spamm\n")
+    assert unknown in classify_fails(capsys, run, "--file", tmp_path / "typo.csv", "--labels")
 
 
 def test_an_existing_output_is_refused_and_left_untouched_unless_overwrite(run, tmp_path, capsys):

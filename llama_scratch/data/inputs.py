@@ -6,7 +6,8 @@ and for columns told apart by their values) and JSON keys by `labelled.json_keys
 the run's label names (a column holding only those is the label) and whether a label is wanted at all.
 
 Labels are checked against the run's label names here, before the model loads: an unknown one is an error that
-names the line. Empty texts are left out and counted, never classified.
+names the line, and so is a cell of several of the run's labels (`a;b`) for a run of one label per text. Empty
+texts are left out and counted, never classified.
 
 Each text of a table keeps its row (`Inputs.records`: a table's cells, a JSON object), so `classify --output`
 writes the file's own columns back beside the scores (`data/scored.py`): ids and metadata survive the round trip.
@@ -101,8 +102,7 @@ def read_inputs(
         elif not label or not label.strip():
             inputs.skipped.append(f"{where}: missing label")
         elif (name := known_label(label, label_names)) is None:
-            known = ", ".join(label_names)
-            raise DataError(f"{where}: label {label.strip()!r} is not one of this classifier's labels ({known})")
+            raise DataError(f"{where}: label {label.strip()!r} {unknown_label(label, label_names)}")
         else:
             inputs.texts.append(text)
             inputs.labels.append(name)
@@ -120,6 +120,19 @@ def known_label(value: str, label_names: list[str]) -> str | None:
     return None
 
 
+def unknown_label(value: str, label_names: list[str]) -> str:
+    """Why a single-label run's file cell is no label of the run: several of them SEPARATOR-joined (what a
+    --multi-label run's file holds: scored against a run of one label per text, it would be one wrong class), or
+    none of them."""
+    parts = value.strip().split(SEPARATOR)
+    if len(parts) > 1 and all(known_label(part, label_names) is not None for part in parts):
+        return (
+            f"is several labels ({SEPARATOR}-separated), but this classifier has one label per text (its run was "
+            "not --multi-label); give each text one label"
+        )
+    return f"is not one of this classifier's labels ({', '.join(label_names)})"
+
+
 def known_set(value: str, label_names: list[str], where: str) -> str:
     """A --multi-label cell as the run's names, SEPARATOR-joined in the run's order ("" for none of them); a
     label the run lacks is refused by name."""
@@ -134,7 +147,8 @@ def known_set(value: str, label_names: list[str], where: str) -> str:
 
 def run_label(label_names: list[str]) -> Callable[[str], bool]:
     """Whether a cell is one of the run's labels (as `known_label` reads it), or several of them SEPARATOR-joined
-    (a --multi-label run's): what classify tells the column finder."""
+    (a --multi-label run's): what classify tells the column finder. Sets count for a run of one label per text too:
+    the finder then finds the column the file means, and `read_inputs` refuses such a cell by its row."""
     return lambda value: (
         known_label(value, label_names) is not None
         or all(known_label(part, label_names) is not None for part in value.split(SEPARATOR))
