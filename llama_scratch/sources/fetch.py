@@ -101,7 +101,7 @@ def cache_dir() -> Path:
 
 
 def sha256(path: Path) -> str:
-    """The file's sha256, read in 1 MiB pieces (the 98 MB GGUF takes under a second)."""
+    """The file's sha256, read in 1 MiB pieces: checked on every use, so it must be cheap in memory too."""
     digest = hashlib.sha256()
     with open(path, "rb") as f:
         while chunk := f.read(1 << 20):
