@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from llama_scratch import __main__ as cli
-from llama_scratch import finetune_args, finetune_classifier, finetune_data
+from llama_scratch import finetune_classifier, finetune_data, finetune_settings
 from llama_scratch.checkpoints import progress
 from llama_scratch.checkpoints.run_record import RECORD_FILE, RUN_MARKER
 from llama_scratch.data.labelled import load_sms_spam
@@ -252,7 +252,7 @@ def test_plan_offers_lora_on_nf4_for_the_one_card_named(capsys):
     argv = ["plan", "--model", "llama3-8b", "--dtype", "bfloat16", "--gpu-memory", "12", "--lora", "8"]
     assert cli.main([*argv, "--quantize", "nf4"]) == 0
     assert "FITS on the given GPU (12.0 GiB)" in capsys.readouterr().out
-    helped = finetune_args.build_parser()._option_string_actions["--gpu-memory"].help
+    helped = finetune_settings.build_parser()._option_string_actions["--gpu-memory"].help
     assert "GiB" in helped
 
 
