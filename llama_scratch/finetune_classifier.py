@@ -49,6 +49,7 @@ from .sources.resolve import (
     resolve_tokenizer,
     trains_from_scratch,
 )
+from .training.baseline import bag_of_words
 from .training.board import open_board
 from .training.evaluation import evaluate, final_figures, final_line, kept_row, warn_if_one_class
 from .training.interrupts import sigterm_as_ctrl_c
@@ -326,9 +327,25 @@ def run(settings: FinetuneSettings, progress: Progress | None = None) -> dict:
     meta = functools.partial(classifier_meta, job, clf, tokenizer_ref, max_length, recipe, metrics.get("threshold"))
     strategy.on_main(lambda: write_results(out, run_id, metrics, meta(), state.history))  # rank 0 writes
     warn_if_one_class(metrics["val_accuracy"], parts["val"].labels, log, metrics.get("val_micro_f1"))
+    warn_if_no_better(metrics, log)
     weights = f"epoch {metrics['best_epoch']}'s weights"
     log(f"{final_line(metrics)}; {weights}); {metrics['seconds']:.0f} s. Results in {out}/")
     return metrics
+
+
+def warn_if_no_better(metrics: dict, log) -> None:
+    """Say so when the bag-of-words baseline does at least as well on the test split as the fine-tuned model, and
+    what to try: the question a user asks first of their own data is whether the model beats the simple thing."""
+    baseline = metrics["baseline"].get("test_accuracy")
+    if baseline is None or metrics["test_accuracy"] > baseline:
+        return
+    what = "exact match" if metrics["multi_label"] else "test accuracy"
+    log(
+        "note: a bag-of-words logistic regression does at least as well on this test split "
+        f"({what} {baseline:.2%} against the model's {metrics['test_accuracy']:.2%}). Try training more of the model "
+        "(--train-last 6, or --lora 8 --train-last all), more epochs, or a larger --model; a task decided by a few "
+        "words may need no more than the baseline"
+    )
 
 
 def check_resume_point(job: Job, settings: TrainSettings) -> None:
@@ -429,6 +446,8 @@ def final_metrics(
         k: evaluate(model, splits[k], settings, strategy, f"final {k}", two and k == "test")
         for k in ("train", "val", "test")
     }
+    splits_text = {k: (p.texts, p.targets()) for k, p in job.parts.items()}
+    baseline = strategy.on_main(lambda: bag_of_words(splits_text, data.num_classes, data.multi_label))
     return {
         "model": choice.ref,
         "data": job.settings.data.source,
@@ -439,6 +458,7 @@ def final_metrics(
         "label_names": data.label_names,
         "multi_label": data.multi_label,
         **final_figures(results, data.label_names, job.settings.data.threshold),
+        "baseline": baseline,  # a bag-of-words logistic regression on the same splits (training.baseline)
         "best_epoch": state.best_epoch,
         "best_step": state.best_step,
         "select_by": settings.select_by,
