@@ -290,7 +290,8 @@ def plan_command(settings, cfg: LlamaConfig, train_last: int | None, lora: LoRAS
     if budget is not None:
         notes.append(
             f"--batch-tokens {budget}: planned as {planned_tokens(budget, seq_len):,} tokens a batch, padded inside "
-            f"attention to {rows} texts of {seq_len}; a batch of texts of mixed lengths pads more there"
+            f"attention to {rows} texts of {seq_len} (a batch is cut so that its texts x its longest stay within the "
+            "budget too)"
         )
     inputs = PlanInputs(
         cfg=cfg,
