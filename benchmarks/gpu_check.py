@@ -55,7 +55,6 @@ from common import GiB, attention_backends  # noqa: E402
 from gpu_8b import ensure_checkpoint, measure_load, model_flops, peak_tflops, sync  # noqa: E402
 
 from llama_scratch import LlamaConfig  # noqa: E402
-from llama_scratch.finetune_args import parse_args as finetune_args  # noqa: E402
 from llama_scratch.finetune_classifier import (  # noqa: E402
     Job,
     build_classifier,
@@ -66,6 +65,7 @@ from llama_scratch.finetune_classifier import (  # noqa: E402
     tokenize,
     train_settings,
 )
+from llama_scratch.finetune_settings import parse_args as finetune_settings  # noqa: E402
 from llama_scratch.parallel.strategy import Strategy, choose_strategy  # noqa: E402
 from llama_scratch.planning.memory import MemoryPlan, plan_memory  # noqa: E402
 from llama_scratch.training.loop import (  # noqa: E402
@@ -319,12 +319,12 @@ def prepare(recipe: Recipe, ckpt: Path, args: argparse.Namespace, strategy: Stra
     budget = args.batch_tokens or recipe.batch_tokens
     if budget is not None:
         flags += ["--batch-tokens", str(min(budget, QUICK_BATCH_TOKENS) if args.quick else budget)]
-    fargs = finetune_args([*flags, *recipe.flags, *args.flags.split()])
-    data, parts, protocol = read_data(fargs, log)
-    choice = choose_model(fargs, strategy, log)
-    job = Job(fargs, strategy, time.perf_counter(), data, parts, protocol, choice, work)
+    asked = finetune_settings([*flags, *recipe.flags, *args.flags.split()])
+    data, parts, protocol = read_data(asked.data, asked.recipe.seed, log)
+    choice = choose_model(asked, strategy, log)
+    job = Job(asked, strategy, time.perf_counter(), data, parts, protocol, choice, work)
     labels = parts["train"].labels
-    settings = train_settings(fargs, choice.from_scratch, labels, data.num_classes, strategy.processes, log)
+    settings = train_settings(asked, choice.from_scratch, labels, data.num_classes, strategy.processes, log)
     free(strategy.device)  # the load's own peak: with --quantize, what the 4-bit base costs to stream in
     start = time.perf_counter()
     clf, tokenizer, _ = build_classifier(job, log)
@@ -333,18 +333,18 @@ def prepare(recipe: Recipe, ckpt: Path, args: argparse.Namespace, strategy: Stra
     if strategy.device.type == "cuda":
         ckpt_bytes = sum(f.stat().st_size for f in Path(ckpt).glob("*.safetensors"))
         figures["load_peak_over_checkpoint"] = torch.cuda.max_memory_allocated(strategy.device) / ckpt_bytes
-    splits, max_length = tokenize(parts, tokenizer, clf.backbone.cfg.max_seq_len, fargs.max_length, log)
+    splits, max_length = tokenize(parts, tokenizer, clf.backbone.cfg.max_seq_len, asked.data.max_length, log)
     lengths = [len(x) for x in splits["train"].ids]
     check_enough_data(len(lengths), settings, strategy.processes, lengths)  # at least one step (Steps goes on)
     start = time.perf_counter()
-    cached = use_cache(fargs.cache_frozen, clf, {k: v.ids for k, v in splits.items()}, strategy, log)
+    cached = use_cache(asked.compute.cache_frozen, clf, {k: v.ids for k, v in splits.items()}, strategy, log)
     figures |= {"frozen_prefix_cache": cached, "cache_gib": None}
     if cached:
         figures["cache_gib"] = cache_bytes(list(distinct_texts(s for v in splits.values() for s in v.ids)), clf) / GiB
         splits = cache_splits(clf, splits, settings.eval_rows, strategy)
         sync(strategy.device)
     figures["cache_seconds"] = time.perf_counter() - start
-    if fargs.compile:  # where the command compiles: after the cache, before the wrapper
+    if asked.compute.compile:  # where the command compiles: after the cache, before the wrapper
         compile_token_wise(clf)
     figures["max_length"] = max_length
     return job, clf, strategy.wrap(clf), splits["train"], settings, figures

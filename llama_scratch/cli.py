@@ -7,9 +7,13 @@ Only the standard library here: `llama-scratch --help` imports this without payi
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import difflib
+import pathlib
+import typing
 import warnings
-from typing import NoReturn
+from collections.abc import Callable, Sequence
+from typing import Any, NoReturn
 
 UNRECOGNIZED = "unrecognized arguments: "  # how argparse starts the message for what no argument takes
 
@@ -74,3 +78,115 @@ def plain_warnings(*categories: type[Warning]) -> None:
     untouched, so `-W ignore::...` and warnings.simplefilter still silence them."""
     _PLAIN.update(categories)
     warnings.formatwarning = _format
+
+
+# ------------------------------------------------------------------------------------ settings objects -> flags
+#
+# A command's settings are one dataclass whose fields are dataclasses by concern (data, model, recipe, ...), each
+# field made by `option`: its default, its help, its flag, and whether `--resume` may change it. The parser is made
+# from those fields (`settings_parser`) and parses back into the same object (`parse_settings`), so a flag, its
+# default and its help are written once, beside the field the code reads.
+
+
+def option(
+    default: Any,
+    help: str,
+    *,
+    flag: str | None = None,
+    aliases: tuple[str, ...] = (),
+    metavar: str | None = None,
+    choices: Sequence[str] | None = None,
+    parse: Callable[[str], Any] | None = None,
+    negate: bool = False,
+    on_resume: bool = False,
+    recorded: bool = True,
+) -> Any:
+    """A settings field that is also a flag.
+
+    flag: the flag's name (default: `--` and the field's name with dashes). aliases: other spellings it answers to.
+    parse: what turns the typed text into the value (default: the field's type, None taken out). negate: a `--no-X`
+    flag that sets the field to False (its default None: not told). on_resume: `--resume` may give it a new value
+    (it changes how the run computes, saves or plans, never what it trains on or how). recorded: kept in the run's
+    flags for `--resume` (False: a fact of this invocation, as `--resume` itself)."""
+    meta = {"help": help, "flag": flag, "aliases": aliases, "metavar": metavar, "choices": choices, "parse": parse}
+    meta.update(negate=negate, on_resume=on_resume, recorded=recorded)
+    return dataclasses.field(default=default, metadata=meta)
+
+
+def flag_of(f: dataclasses.Field) -> str:
+    """The flag a settings field is set by."""
+    return f.metadata["flag"] or "--" + f.name.replace("_", "-")
+
+
+def groups(settings: Any) -> list[tuple[str, Any]]:
+    """(name, group) for each group of a settings object (or class), in the order they are declared."""
+    return [(g.name, getattr(settings, g.name)) for g in dataclasses.fields(settings) if g.metadata.get("group")]
+
+
+def group(cls: type) -> Any:
+    """A field of the settings object holding one group of options (its help section is the group's name)."""
+    return dataclasses.field(default_factory=cls, metadata={"group": True})
+
+
+def options(group_cls: type) -> list[tuple[dataclasses.Field, type]]:
+    """Each option field of a group with its type, None taken out of an `X | None` (what the flag parses)."""
+    hints = typing.get_type_hints(group_cls)
+    found = []
+    for f in dataclasses.fields(group_cls):
+        kinds = [t for t in typing.get_args(hints[f.name]) if t is not type(None)] or [hints[f.name]]
+        found.append((f, kinds[0]))
+    return found
+
+
+def settings_parser(settings_cls: type, **kwargs) -> CommandParser:
+    """The command's parser, made from its settings class: a help section per group, a flag per field. The flag's
+    value lands under `group.field` (dest), so `parse_settings` can put it back where it belongs."""
+    parser = CommandParser(**kwargs)
+    for name, group_obj in groups(settings_cls()):
+        section = parser.add_argument_group(name)
+        for f, kind in options(type(group_obj)):
+            meta, dest = f.metadata, f"{name}.{f.name}"
+            names = [flag_of(f), *meta["aliases"]]
+            if kind is bool:
+                action = "store_const" if meta["negate"] else "store_true"
+                extra = {"const": False} if meta["negate"] else {}
+                section.add_argument(*names, dest=dest, action=action, default=f.default, help=meta["help"], **extra)
+                continue
+            section.add_argument(
+                *names,
+                dest=dest,
+                type=meta["parse"] or kind,
+                default=f.default,
+                metavar=meta["metavar"] or (None if meta["choices"] else flag_of(f)[2:].replace("-", "_").upper()),
+                choices=meta["choices"],
+                help=meta["help"],
+            )
+    return parser
+
+
+def parse_settings(settings_cls: type, argv: list[str] | None = None, **kwargs) -> Any:
+    """The settings a command line gives, and in `typed` the `group.field` names of the flags typed on it (a
+    resumed run takes every other one from its record)."""
+    parsed = vars(settings_parser(settings_cls, **kwargs).parse_args(argv))
+    # A second parser whose defaults are all "absent" holds only what was typed: argparse has no other way to tell
+    # `--epochs 5` from the default 5.
+    quiet = settings_parser(settings_cls, **kwargs)
+    for action in quiet._actions:
+        action.default = argparse.SUPPRESS
+    settings = settings_cls()
+    for dest, value in parsed.items():
+        group_name, name = dest.split(".")
+        setattr(getattr(settings, group_name), name, value)
+    settings.typed = frozenset(vars(quiet.parse_args(argv)))
+    return settings
+
+
+def settings_fields(settings: Any) -> list[tuple[str, dataclasses.Field, Any]]:
+    """(group name, field, value) for every option of a settings object."""
+    return [(name, f, getattr(g, f.name)) for name, g in groups(settings) for f in dataclasses.fields(g)]
+
+
+def from_json(settings: Any, group_name: str, name: str, value: Any) -> Any:
+    """A setting's value as JSON kept it, back in the field's type (a path was kept as text)."""
+    kind = dict((f.name, k) for f, k in options(type(getattr(settings, group_name))))[name]
+    return kind(value) if kind is pathlib.Path and value is not None else value

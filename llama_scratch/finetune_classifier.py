@@ -6,13 +6,12 @@ Same command on one CPU, one GPU, or several GPUs under `torchrun --nproc_per_no
 
 from __future__ import annotations
 
-import argparse
 import functools
 import os
 import sys
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from pathlib import Path
 
 import torch
@@ -21,12 +20,20 @@ from .checkpoints.run_record import WEIGHTS_FILE, RunRecord, new_record
 from .cli import plain_warnings
 from .data.batching import TokenizedSplit, default_max_length, encode_texts
 from .data.labelled import DataWarning, LabelledTexts
-from .finetune_args import parse_args, quantize_setting, recorded_flags, refuse_float16, resumed_flags
 from .finetune_data import held_out_identity, read_data, split_files
+from .finetune_settings import (
+    FinetuneSettings,
+    lora_settings,
+    parse_args,
+    quantize_setting,
+    recorded_flags,
+    refuse_float16,
+    resumed_flags,
+)
 from .model.classifier import LlamaClassifier
 from .model.config import LlamaConfig
 from .model.counts import count_parameters, held_parameters
-from .model.lora import TARGETS, LoRASettings
+from .model.lora import LoRASettings
 from .model.tokenizer import Tokenizer
 from .parallel.strategy import Processes, Strategy, choose_strategy, teardown
 from .planning.memory import PlanInputs, planned_batch
@@ -42,6 +49,7 @@ from .sources.resolve import (
     resolve_tokenizer,
     trains_from_scratch,
 )
+from .training.baseline import bag_of_words
 from .training.board import open_board
 from .training.evaluation import evaluate, final_figures, final_line, kept_row, warn_if_one_class
 from .training.interrupts import sigterm_as_ctrl_c
@@ -70,36 +78,33 @@ from .training.steps import raise_epochs
 
 
 def train_settings(
-    args: argparse.Namespace, from_scratch: bool, train_labels: list, num_classes: int, processes: Processes, log
+    settings: FinetuneSettings,
+    from_scratch: bool,
+    train_labels: list,
+    num_classes: int,
+    processes: Processes,
+    log,
 ) -> TrainSettings:
-    """The training settings from the flags, with what depends on the data: weights that start from nothing
-    (LoRA adapters, a model from scratch) learn at a higher rate than a pretrained model,
+    """The loop's recipe from the settings (the fields of the same name), with what depends on the data: weights
+    that start from nothing (LoRA adapters, a model from scratch) learn at a higher rate than a pretrained model,
     which is only adjusted; small data gets more epochs; balanced class weights if asked."""
-    settings = TrainSettings(
-        epochs=args.epochs or TrainSettings.epochs,
-        max_steps=args.max_steps,
-        min_steps=args.min_steps,
-        batch_size=args.batch_size,
-        batch_tokens=args.batch_tokens,
-        grad_accum=args.grad_accum,
-        lr=args.lr or (TrainSettings.lr_fresh if from_scratch or args.lora else TrainSettings.lr),
-        weight_decay=args.weight_decay,
-        warmup=args.warmup,
-        schedule=args.schedule,
-        clip_grad=args.clip_grad,
-        seed=args.seed,
-        save_every=args.save_every,
-        optimizer_state=args.optimizer_state,
-        patience=args.patience,
-        eval_every=args.eval_every,
-        select_by=args.select_by,
-        class_weights=balanced_weights(train_labels, num_classes) if args.class_weights == "balanced" else None,
+    recipe = settings.recipe
+    same = {f.name for f in fields(TrainSettings)} & {f.name for f in fields(recipe)} - {
+        "epochs",
+        "lr",
+        "class_weights",
+    }
+    train = TrainSettings(
+        **{name: getattr(recipe, name) for name in same},
+        epochs=recipe.epochs or TrainSettings.epochs,
+        lr=recipe.lr or (TrainSettings.lr_fresh if from_scratch or settings.lora.rank else TrainSettings.lr),
+        class_weights=balanced_weights(train_labels, num_classes) if recipe.class_weights == "balanced" else None,
+        save_every=settings.output.save_every,
+        optimizer_state=settings.compute.optimizer_state,
     )
-    if args.batch_tokens is not None and args.batch_tokens < 1:
-        raise ValueError(f"--batch-tokens must be a positive number of tokens, got {args.batch_tokens}")
-    if args.batch_tokens is None:  # a token budget's steps depend on the texts' lengths: after tokenizing
-        raise_epochs(settings, args.epochs is not None, len(train_labels), processes, log)
-    return settings
+    if recipe.batch_tokens is None:  # a token budget's steps depend on the texts' lengths: after tokenizing
+        raise_epochs(train, recipe.epochs is not None, len(train_labels), processes, log)
+    return train
 
 
 @dataclass
@@ -119,7 +124,7 @@ class ModelChoice:
 class Job:
     """What the phases of one run share once data, model and output are chosen."""
 
-    args: argparse.Namespace
+    settings: FinetuneSettings
     strategy: Strategy  # how the processes share the run: asked, never worked out again
     started: float
     data: LabelledTexts
@@ -130,13 +135,13 @@ class Job:
     board: Callable[[dict], None] | None = None  # --tensorboard: writes each history row (training.board)
 
 
-def choose_model(args: argparse.Namespace, strategy: Strategy, log) -> ModelChoice:
+def choose_model(settings: FinetuneSettings, strategy: Strategy, log) -> ModelChoice:
     """The model reference made local (fetched, converted or found by rank 0, then by each other node's first
     process where that node cannot see rank 0's copy; the other processes take their node's answer),
     the dtype to compute in, and how much of it trains."""
-    device = strategy.device
-    dtype = refuse_float16(choose_dtype(args.dtype, device), "--dtype float16")  # a first answer, to size by
-    ref = args.model or strategy.on_each_node(lambda: default_model(device, dtype, log))
+    device, asked = strategy.device, settings.model.dtype
+    dtype = refuse_float16(choose_dtype(asked, device), "--dtype float16")  # a first answer, to size by
+    ref = settings.model.ref or strategy.on_each_node(lambda: default_model(device, dtype, log))
     repo_id = ref if is_repo_id(ref) else None
     ref = strategy.on_each_node(lambda: local_checkpoint(ref, log))  # several nodes may share no disk
 
@@ -144,14 +149,14 @@ def choose_model(args: argparse.Namespace, strategy: Strategy, log) -> ModelChoi
         if not Path(ref).is_dir():
             return dtype
         cfg = LlamaConfig.from_hf(ref)
-        return choose_dtype(args.dtype, device, cfg.dtype, count_parameters(cfg).backbone, log)
+        return choose_dtype(asked, device, cfg.dtype, count_parameters(cfg).backbone, log)
 
     dtype = strategy.on_main(checkpoint_dtype)  # free memory differs between processes: rank 0 decides
     refuse_float16(dtype, f"{ref} is stored in float16, and a float32 copy would not fit: it")
     from_scratch = trains_from_scratch(ref)
-    train_last = chosen_train_last(args.train_last, from_scratch)
-    lora = lora_settings(args, from_scratch)
-    quantize = quantize_setting(args, from_scratch, train_last, lora)
+    train_last = chosen_train_last(settings.recipe.train_last, from_scratch)
+    lora = lora_settings(settings, from_scratch)
+    quantize = quantize_setting(settings, from_scratch, train_last, lora)
     return ModelChoice(ref, repo_id, dtype, from_scratch, train_last, lora, quantize)
 
 
@@ -164,34 +169,21 @@ def compile_token_wise(clf: LlamaClassifier) -> None:
             module.compile(dynamic=True)
 
 
-def lora_settings(args: argparse.Namespace, from_scratch: bool) -> LoRASettings | None:
-    """The --lora flags as settings (None without --lora). Random weights have nothing worth adapting."""
-    given = [f for f in ("lora_alpha", "lora_dropout", "lora_targets") if getattr(args, f) is not None]
-    if args.lora is None:
-        if given:
-            raise ValueError(f"--{given[0].replace('_', '-')} needs --lora RANK")
-        return None
-    if from_scratch:
-        raise ValueError("--lora adapts pretrained weights; a model trained from random weights trains them all")
-    targets = args.lora_targets or tuple(TARGETS)
-    return LoRASettings(args.lora, args.lora_alpha, args.lora_dropout or 0.0, targets)
-
-
 def replica_plan_inputs(job: Job) -> PlanInputs:
     """The run as the memory plan sees it, before the texts' length is known (512 tokens, as --plan assumes)."""
-    args, choice = job.args, job.choice
+    recipe, compute, choice = job.settings.recipe, job.settings.compute, job.choice
     return PlanInputs(
         cfg=config_of(choice.ref),
-        **planned_batch(args.batch_size, args.batch_tokens, args.max_length or 512),
+        **planned_batch(recipe.batch_size, recipe.batch_tokens, job.settings.data.max_length or 512),
         train_last=choice.train_last,
         dtype=choice.dtype,
-        optimizer_state=args.optimizer_state,
-        gradient_checkpointing=args.gradient_checkpointing,
+        optimizer_state=compute.optimizer_state,
+        gradient_checkpointing=compute.gradient_checkpointing,
         world_size=job.strategy.processes.world_size,
-        grad_accum=args.grad_accum,
+        grad_accum=recipe.grad_accum,
         device_type=job.strategy.device.type,
         lora=choice.lora,
-        quantize=args.quantize,
+        quantize=choice.quantize,
     )
 
 
@@ -202,7 +194,7 @@ def build_classifier(job: Job, log) -> tuple[LlamaClassifier, Tokenizer, str]:
     n = job.data.num_classes
     clf = job.strategy.build_classifier(choice.ref, choice.dtype, n, choice.train_last, choice.lora, choice.quantize)
     backbone = clf.backbone
-    backbone.gradient_checkpointing = job.args.gradient_checkpointing
+    backbone.gradient_checkpointing = job.settings.compute.gradient_checkpointing
     tokenizer, tokenizer_ref = resolve_tokenizer(choice.ref, backbone.cfg, log)
     if tokenizer.n_words > backbone.cfg.vocab_size:
         raise ValueError(
@@ -240,62 +232,66 @@ class Progress:
     out: Path | None = None
 
 
-def prepare(args: argparse.Namespace, progress: Progress) -> tuple[Job, TrainSettings, Callable[..., None]]:
-    """The phases before anything large is loaded: processes, flags (a resumed run's own), data, the model's
-    choice, the training settings and the output directory. A resume point of another run is refused here, not
+def prepare(settings: FinetuneSettings, progress: Progress) -> tuple[Job, TrainSettings, Callable[..., None]]:
+    """The phases before anything large is loaded: processes, settings (a resumed run's own), data, the model's
+    choice, the training recipe and the output directory. A resume point of another run is refused here, not
     after minutes of loading and caching."""
-    if args.shard_group is not None and not args.shard:
+    parallel, output = settings.parallel, settings.output
+    if parallel.shard_group is not None and not parallel.shard:
         raise ValueError("--shard-group G needs --shard")
-    strategy = choose_strategy(args.device, args.shard, args.shard_group)
+    strategy = choose_strategy(settings.model.device, parallel.shard, parallel.shard_group)
     log = strategy.log
     strategy.quiet_elsewhere(DataWarning)
-    if args.resume:  # a run to continue, and its own flags for those not typed again, before anything is read
-        latest = args.output is None
-        args.output = args.output or latest_run()
-        recorded = strategy.on_main(lambda: resumable(args.output, args.overwrite, latest))
+    if output.resume:  # a run to continue, and its own settings for those not typed again, before anything is read
+        latest = output.output is None  # runs/latest's
+        output.output = output.output or latest_run()
+        recorded = strategy.on_main(lambda: resumable(output.output, output.overwrite, latest))
         if recorded is not None:
-            args = resumed_flags(args, recorded, args.output)
+            settings = resumed_flags(settings, recorded, output.output)
     started = time.perf_counter()
-    torch.manual_seed(args.seed)
+    torch.manual_seed(settings.recipe.seed)
     progress.phase = "reading the data"
-    data, parts, protocol = read_data(args, log)
+    data, parts, protocol = read_data(settings.data, settings.recipe.seed, log)
     progress.phase = "finding the model"
-    choice = choose_model(args, strategy, log)
-    out = args.output or strategy.on_main(lambda: default_output(choice.ref, args.data))
+    choice = choose_model(settings, strategy, log)
+    out = output.output or strategy.on_main(lambda: default_output(choice.ref, settings.data.source))
     log(f"output: {out}/")
-    check_output(out, args.resume, args.overwrite)  # before anything is loaded or written
-    job = Job(args, strategy, started, data, parts, protocol, choice, out)
-    job.board = open_board(args.tensorboard, strategy.is_main)  # a missing package: refused before anything is written
-    settings = train_settings(
-        args, choice.from_scratch, parts["train"].targets(), data.num_classes, strategy.processes, log
+    check_output(out, output.resume, output.overwrite)  # before anything is loaded or written
+    job = Job(settings, strategy, started, data, parts, protocol, choice, out)
+    job.board = open_board(
+        output.tensorboard, strategy.is_main
+    )  # a missing package: refused before anything is written
+    recipe = train_settings(
+        settings, choice.from_scratch, parts["train"].targets(), data.num_classes, strategy.processes, log
     )
-    if args.resume:
-        check_resume_point(job, settings)  # another run's point is refused before minutes of loading and caching
-    start_output(out, args.resume, args.output is None, strategy, recorded_flags(args))
+    if output.resume:
+        check_resume_point(job, recipe)  # another run's point is refused before minutes of loading and caching
+    start_output(out, output.resume, output.output is None, strategy, recorded_flags(settings))
     progress.out = out
     if strategy.refuses_unfit_replica:  # DDP on GPUs: before a replica that cannot fit is loaded
         refuse_unfit_replica(replica_plan_inputs(job), detect_gpu(), choice.ref)
-    return job, settings, log
+    return job, recipe, log
 
 
-def run(args: argparse.Namespace, progress: Progress | None = None) -> dict:
+def run(settings: FinetuneSettings, progress: Progress | None = None) -> dict:
     """The main job in phases: data, model, output, tokens, recipe, training, results."""
     progress = progress or Progress()
-    if args.plan:  # before the process group, the data and the weights: nothing is allocated
-        if args.model is None:  # the default model may have to be downloaded: a plan names its model instead
+    if settings.plan.requested:  # before the process group, the data and the weights: nothing is allocated
+        ref = settings.model.ref
+        if ref is None:  # the default model may have to be downloaded: a plan names its model instead
             raise ValueError("--plan needs --model: a preset (e.g. llama3-8b), a checkpoint directory or a repo id")
-        scratch = plans_from_scratch(args.model)
-        train_last, lora = chosen_train_last(args.train_last, scratch), lora_settings(args, scratch)
-        quantize_setting(args, scratch, train_last, lora)  # what a run would refuse, the plan refuses alike
-        return plan_command(args, config_of(args.model), train_last, lora)
-    job, settings, log = prepare(args, progress)
-    args, strategy, choice, out, parts = job.args, job.strategy, job.choice, job.out, job.parts
+        scratch = plans_from_scratch(ref)
+        train_last, lora = chosen_train_last(settings.recipe.train_last, scratch), lora_settings(settings, scratch)
+        quantize_setting(settings, scratch, train_last, lora)  # what a run would refuse, the plan refuses alike
+        return plan_command(settings, config_of(ref), train_last, lora)
+    job, recipe, log = prepare(settings, progress)
+    settings, strategy, choice, out, parts = job.settings, job.strategy, job.choice, job.out, job.parts
     progress.phase = "loading the weights"
     clf, tokenizer, tokenizer_ref = build_classifier(job, log)
-    splits, max_length = tokenize(parts, tokenizer, clf.backbone.cfg.max_seq_len, args.max_length, log)
-    if args.batch_tokens is not None:
+    splits, max_length = tokenize(parts, tokenizer, clf.backbone.cfg.max_seq_len, settings.data.max_length, log)
+    if recipe.batch_tokens is not None:
         lengths = [len(x) for x in splits["train"].ids]
-        raise_epochs(settings, args.epochs is not None, len(lengths), strategy.processes, log, lengths)
+        raise_epochs(recipe, settings.recipe.epochs is not None, len(lengths), strategy.processes, log, lengths)
     n_train = sum(p.numel() for p in clf.trainable_parameters().values())
     held, quantized = held_parameters(clf)
     in_bits = f" ({quantized:,} of them frozen in {choice.quantize})" if quantized else ""
@@ -303,9 +299,9 @@ def run(args: argparse.Namespace, progress: Progress | None = None) -> dict:
     log(f"training {n_train:,} of {held:,} parameters{in_bits} on {where}")
     # Sharded too: every process takes part in each frozen forward and keeps every text's states (prefix_cache).
     progress.phase = "running the frozen layers once per text (the frozen-prefix cache)"
-    if use_cache(args.cache_frozen, clf, {k: v.ids for k, v in splits.items()}, strategy, log):
-        splits = cache_splits(clf, splits, settings.eval_rows, strategy)
-    if args.compile:
+    if use_cache(settings.compute.cache_frozen, clf, {k: v.ids for k, v in splits.items()}, strategy, log):
+        splits = cache_splits(clf, splits, recipe.eval_rows, strategy)
+    if settings.compute.compile:
         compile_token_wise(clf)
     model = strategy.wrap(clf)  # DDP with several replicas; a sharded model was wrapped when it was built
     save = functools.partial(save_classifier, clf, choice.from_scratch, strategy)
@@ -313,27 +309,43 @@ def run(args: argparse.Namespace, progress: Progress | None = None) -> dict:
     state = train(
         model,
         splits,
-        settings,
+        recipe,
         strategy,
         out,
-        args.resume,
+        settings.output.resume,
         lambda epoch: save(out / BEST_FILE),
         log,
         run_identity=run_identity(job, max_length),
         on_row=job.board,
     )
     progress.phase = "evaluating the best weights"
-    log(kept_row(state.history, state.best_step, settings.select_by))
-    metrics = final_metrics(job, model, clf, splits, settings, state)
+    log(kept_row(state.history, state.best_step, recipe.select_by))
+    metrics = final_metrics(job, model, clf, splits, recipe, state)
     run_id = strategy.on_main(new_run_id)
     progress.phase = "writing the results"
     save(out / WEIGHTS_FILE, {"run_id": run_id})  # every process: a sharded model is gathered tensor by tensor
-    meta = functools.partial(classifier_meta, job, clf, tokenizer_ref, max_length, settings, metrics.get("threshold"))
+    meta = functools.partial(classifier_meta, job, clf, tokenizer_ref, max_length, recipe, metrics.get("threshold"))
     strategy.on_main(lambda: write_results(out, run_id, metrics, meta(), state.history))  # rank 0 writes
     warn_if_one_class(metrics["val_accuracy"], parts["val"].labels, log, metrics.get("val_micro_f1"))
+    warn_if_no_better(metrics, log)
     weights = f"epoch {metrics['best_epoch']}'s weights"
     log(f"{final_line(metrics)}; {weights}); {metrics['seconds']:.0f} s. Results in {out}/")
     return metrics
+
+
+def warn_if_no_better(metrics: dict, log) -> None:
+    """Say so when the bag-of-words baseline does at least as well on the test split as the fine-tuned model, and
+    what to try: the question a user asks first of their own data is whether the model beats the simple thing."""
+    baseline = metrics["baseline"].get("test_accuracy")
+    if baseline is None or metrics["test_accuracy"] > baseline:
+        return
+    what = "exact match" if metrics["multi_label"] else "test accuracy"
+    log(
+        "note: a bag-of-words logistic regression does at least as well on this test split "
+        f"({what} {baseline:.2%} against the model's {metrics['test_accuracy']:.2%}). Try training more of the model "
+        "(--train-last 6, or --lora 8 --train-last all), more epochs, or a larger --model; a task decided by a few "
+        "words may need no more than the baseline"
+    )
 
 
 def check_resume_point(job: Job, settings: TrainSettings) -> None:
@@ -345,11 +357,13 @@ def check_resume_point(job: Job, settings: TrainSettings) -> None:
     found = strategy.read_resume(out / RESUME_FILE, out / RESUME_DIR, tensors=False)
     if found is None:
         return
-    identity = {"world_size": strategy.processes.world_size, **run_identity(job, job.args.max_length)}
-    if job.args.max_length is None:  # known once the texts are tokenized
+    max_length = job.settings.data.max_length
+    identity = {"world_size": strategy.processes.world_size, **run_identity(job, max_length)}
+    if max_length is None:  # known once the texts are tokenized
         identity.pop("max_length")
     # A token budget's epochs (raised to reach --min-steps) are known once the texts are tokenized, too.
-    unknown = ("epochs",) if job.args.batch_tokens is not None and job.args.epochs is None else ()
+    given = job.settings.recipe
+    unknown = ("epochs",) if given.batch_tokens is not None and given.epochs is None else ()
     check_same_run(found[0], found[1], settings, identity, partial=True, unknown=unknown)
 
 
@@ -370,7 +384,7 @@ def classifier_meta(
         lora=choice.lora,
         lora_blocks=clf.lora_blocks,
         quantize=choice.quantize,
-        data=split_files(job.args, job.data, job.parts),
+        data=split_files(job.settings.data, job.data, job.parts),
         tokenizer=tokenizer_ref,
         max_length=max_length,
         dtype=choice.dtype,
@@ -382,19 +396,19 @@ def classifier_meta(
 
 def run_identity(job: Job, max_length: int) -> dict:
     """What a resume point must share with the run that resumes it, besides the recipe (TrainSettings)."""
-    args, data, choice, lora = job.args, job.data, job.choice, job.choice.lora
+    asked, data, choice, lora = job.settings.data, job.data, job.choice, job.choice.lora
     return {
         "model": choice.ref,
-        "data": args.data,
+        "data": asked.source,
         "data_digest": data.fingerprint(),
-        "text_column": args.text_column,
-        "label_column": args.label_column,
-        "header": args.header,
+        "text_column": asked.text_column,
+        "label_column": asked.label_column,
+        "header": asked.header,
         "label_names": data.label_names,
         "num_classes": data.num_classes,
         "multi_label": data.multi_label,
         "split": job.protocol,
-        **held_out_identity(args, job.parts),  # None where cut from --data, as in points from before these flags
+        **held_out_identity(asked, job.parts),  # None where cut from --data, as in points from before these flags
         "max_length": max_length,
         "dtype": str(choice.dtype),
         "train_last": "all" if choice.train_last is None else choice.train_last,
@@ -432,16 +446,19 @@ def final_metrics(
         k: evaluate(model, splits[k], settings, strategy, f"final {k}", two and k == "test")
         for k in ("train", "val", "test")
     }
+    splits_text = {k: (p.texts, p.targets()) for k, p in job.parts.items()}
+    baseline = strategy.on_main(lambda: bag_of_words(splits_text, data.num_classes, data.multi_label))
     return {
         "model": choice.ref,
-        "data": job.args.data,
+        "data": job.settings.data.source,
         "split": job.protocol,
         "split_sizes": {k: len(v) for k, v in job.parts.items()},
-        "split_files": split_files(job.args, job.data, job.parts),
+        "split_files": split_files(job.settings.data, job.data, job.parts),
         "num_classes": data.num_classes,
         "label_names": data.label_names,
         "multi_label": data.multi_label,
-        **final_figures(results, data.label_names, job.args.threshold),
+        **final_figures(results, data.label_names, job.settings.data.threshold),
+        "baseline": baseline,  # a bag-of-words logistic regression on the same splits (training.baseline)
         "best_epoch": state.best_epoch,
         "best_step": state.best_step,
         "select_by": settings.select_by,
@@ -457,17 +474,17 @@ def final_metrics(
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = parse_args(argv)
+    settings = parse_args(argv)
     plain_warnings(DataWarning)  # a file's skipped rows: the message, not the line of ours that warned
     # Before the first CUDA allocation: segments that grow in place instead of new blocks beside old ones, so a
     # long run's memory does not fragment past the plan (the user's own setting wins).
     os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
-    if args.deterministic:
+    if settings.compute.deterministic:
         make_deterministic()
     sigterm_as_ctrl_c()
     progress = Progress()
     try:
-        run(args, progress)
+        run(settings, progress)
     except KeyboardInterrupt:
         if Processes.from_environment().is_main:  # the strategy may not be chosen yet: what torchrun said
             print(f"\n{interrupted(progress.out, progress.phase)}", file=sys.stderr)

@@ -21,7 +21,7 @@ import pytest
 
 import llama_scratch
 from llama_scratch.__main__ import COMMANDS
-from llama_scratch.finetune_args import build_parser
+from llama_scratch.finetune_settings import build_parser
 from llama_scratch.training.loop import TrainSettings
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -125,7 +125,7 @@ def expected_default(command: str, action: argparse.Action) -> object | None:
     if action.default is not None:
         return action.default
     if COMMANDS[command][0] == "finetune_classifier":
-        return {f.name: f.default for f in dataclasses.fields(TrainSettings)}.get(action.dest)
+        return {f.name: f.default for f in dataclasses.fields(TrainSettings)}.get(action.dest.split(".")[-1])
     return None
 
 

@@ -245,7 +245,7 @@ def test_adapters_without_lora_settings_are_refused(pretrained_run, tmp_path, ca
     meta["lora"] = None
     (lora_run / "classifier.json").write_text(json.dumps(meta))
     assert "has no 'lora' settings" in export_fails(capsys, lora_run, tmp_path / "o")
-    older = {k: v for k, v in meta.items() if k not in ("schema_version", "lora")}  # a record from before LoRA
+    older = {k: v for k, v in meta.items() if k not in ("version", "lora")}  # a record from before LoRA
     (lora_run / "classifier.json").write_text(json.dumps(older))
     assert "has no 'lora' settings" in export_fails(capsys, lora_run, tmp_path / "o")
     assert not (tmp_path / "o").exists()

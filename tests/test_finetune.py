@@ -119,8 +119,10 @@ def test_batch_tokens_trains_plans_and_classifies_as_a_user_types_it(small_csv, 
     budget = capsys.readouterr().out
     assert "batch 16 x 512 tokens" in rows and "--batch-tokens 8192" in budget
     assert "batch 8,192 tokens packed (16 texts of up to 512 inside attention)" in budget
-    assert finetune_classifier.main(args_for(small_csv, tmp_path / "bad", "--batch-tokens", "0")) == 2
-    assert "--batch-tokens must be a positive" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as refused:  # refused while parsing, in one line, as any bad flag's value
+        finetune_classifier.main(args_for(small_csv, tmp_path / "bad", "--batch-tokens", "0"))
+    assert refused.value.code == 2
+    assert "argument --batch-tokens: must be a positive whole number, got 0" in capsys.readouterr().err
 
 
 def test_batch_tokens_on_two_processes_equals_accumulation_on_one(small_csv, tmp_path):

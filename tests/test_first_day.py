@@ -119,7 +119,7 @@ def test_every_option_names_one_default_and_it_is_the_code_s():
     import argparse
     import dataclasses
 
-    from llama_scratch.finetune_args import build_parser
+    from llama_scratch.finetune_settings import build_parser
     from llama_scratch.training.loop import TrainSettings
 
     parser_actions = build_parser()._actions
@@ -127,18 +127,18 @@ def test_every_option_names_one_default_and_it_is_the_code_s():
     for action in parser_actions:
         if not action.option_strings or action.help == argparse.SUPPRESS or action.dest == "help":
             continue
-        flag = action.option_strings[0]
-        if isinstance(action, argparse._StoreTrueAction) or action.dest in ("resume", "overwrite", "plan"):
+        flag, name = action.option_strings[0], action.dest.split(".")[-1]
+        if isinstance(action, argparse._StoreTrueAction) or flag in ("--resume", "--overwrite", "--plan"):
             continue
         assert action.help.count("default") == 1, f"{flag}: {action.help}"
-        if action.dest in settings and action.dest != "class_weights":  # "none" on the command line, None inside
-            value = settings[action.dest]
+        if name in settings and name != "class_weights":  # "none" on the command line, None inside
+            value = settings[name]
             if action.default is not None:  # the flag's default is the recipe's
                 assert action.default == value, flag
             if value is not None:  # and the help names it
                 shown = f"{value:g}" if isinstance(value, float) else str(value)
                 assert f"default: {shown}" in action.help, f"{flag}: {action.help}"
-    assert finetune_classifier.parse_args([]).epochs is None  # raised for small data unless given
+    assert finetune_classifier.parse_args([]).recipe.epochs is None  # raised for small data unless given
 
 
 def test_small_data_gets_more_epochs_and_a_useless_model_is_called_out():
@@ -242,11 +242,11 @@ def test_patience_stops_early_and_class_weights_weigh_the_rare_class(tmp_path):
 def test_deterministic_flag_turns_on_deterministic_kernels(monkeypatch):
     """--deterministic (for exact resume on CUDA) asks torch for deterministic kernels and fixes cuBLAS's
     workspace before any CUDA work; the flag is parsed and applied by the command."""
-    from llama_scratch.finetune_args import parse_args
+    from llama_scratch.finetune_settings import parse_args
 
-    assert parse_args(["--deterministic"]).deterministic and not parse_args([]).deterministic
+    assert parse_args(["--deterministic"]).compute.deterministic and not parse_args([]).compute.deterministic
     monkeypatch.delenv("CUBLAS_WORKSPACE_CONFIG", raising=False)
-    monkeypatch.setattr(finetune_classifier, "run", lambda args, progress=None: None)
+    monkeypatch.setattr(finetune_classifier, "run", lambda settings, progress=None: None)
     try:
         assert finetune_classifier.main(["--deterministic"]) == 0
         assert torch.are_deterministic_algorithms_enabled()
@@ -291,10 +291,10 @@ def test_compile_flag_compiles_the_token_wise_modules():
     """--compile wraps every block's feed-forward and norms in torch.compile (attention stays eager); nothing is
     compiled without it. (Compiling itself takes tens of seconds here, so the test stops before the first call.)"""
     from llama_scratch import LlamaClassifier
-    from llama_scratch.finetune_args import parse_args
     from llama_scratch.finetune_classifier import compile_token_wise
+    from llama_scratch.finetune_settings import parse_args
 
-    assert parse_args(["--compile"]).compile and not parse_args([]).compile
+    assert parse_args(["--compile"]).compute.compile and not parse_args([]).compute.compile
     clf = LlamaClassifier(Llama(LlamaConfig.from_name("tiny")), num_classes=2)
     assert all(block.ffn._compiled_call_impl is None for block in clf.backbone.blocks)
     compile_token_wise(clf)

@@ -330,7 +330,7 @@ def test_an_older_record_without_multi_label_reads_as_one_label_per_text(small_c
     record = json.loads((out / "classifier.json").read_text())
     assert record["multi_label"] is False and record["threshold"] is None  # a single-label run's
     assert not read_run(out).multi_label and read_run(out).threshold is None
-    older = {k: v for k, v in record.items() if k not in ("schema_version", "multi_label", "threshold")}
+    older = {k: v for k, v in record.items() if k not in ("version", "multi_label", "threshold")}
     (out / "classifier.json").write_text(json.dumps(older))  # as a run from before --multi-label wrote it
     assert not read_run(out).multi_label and read_run(out).threshold is None
     (out / "classifier.json").write_text(json.dumps(record))

@@ -16,7 +16,7 @@ from llama_scratch.checkpoints import weights
 from llama_scratch.checkpoints.weights import save_checkpoint
 from llama_scratch.data.labelled import load_dataset
 from llama_scratch.data.splitting import split_dataset
-from llama_scratch.finetune_args import parse_args, resumed_flags
+from llama_scratch.finetune_settings import parse_args, resumed_flags
 from llama_scratch.model.classifier import LlamaClassifier
 from llama_scratch.model.lora import LoRALinear, add_lora, merge_lora
 from llama_scratch.model.quantize import (
@@ -364,7 +364,7 @@ def test_classify_refuses_to_quantize_a_run_trained_from_random_weights(small_cs
 def test_a_resume_with_another_quantize_is_refused(tmp_path):
     args = parse_args(["--quantize", "int8", "--resume", "--output", str(tmp_path)])
     with pytest.raises(ValueError, match="--quantize was 'nf4', now 'int8'"):
-        resumed_flags(args, {"quantize": "nf4"}, tmp_path)
+        resumed_flags(args, {"quantize": "nf4"}, tmp_path)  # a record of version 1: flat, by the flags' names
 
 
 @pytest.mark.parametrize("flags", [["--lora", "8"], ["--train-last", "1"]], ids=["qlora", "train-last-1"])

@@ -22,7 +22,7 @@ from llama_scratch.training.loop import TrainSettings
 TINY = LlamaConfig.from_name("tiny").to_hf_dict()
 SETTINGS = {"epochs": 5, "batch_size": 8, "lr": 5e-5, "seed": 0}
 
-# classifier.json as each earlier version of finetune_classifier wrote it (version 1: no schema_version).
+# classifier.json as each earlier version of finetune_classifier wrote it (version 1: no version key).
 FIRST_RELEASE = {  # the first finetune_classifier: no run id, no relative path, no LoRA
     "base_model": "tiny",
     "weights_include_backbone": True,
@@ -110,7 +110,7 @@ def test_a_newer_classifier_record_is_refused_in_one_line_naming_its_version(tmp
     with pytest.raises(CheckpointError) as e:
         run_record.read_run(run)
     assert str(e.value) == (
-        f"{path} is schema_version {version}, newer than this llama_scratch reads (up to "
+        f"{path} was written by a newer llama_scratch (version {version}; this one reads up to "
         f"{run_record.RECORD_VERSION}): update llama_scratch to read it"
     )
     assert classify.main(["--checkpoint", str(run), "some text"]) == 2
@@ -122,7 +122,7 @@ def test_a_newer_classifier_record_is_refused_in_one_line_naming_its_version(tmp
 def test_a_classifier_record_with_a_version_no_run_writes_is_refused(tmp_path, version):
     run = tmp_path / "run"
     write_run(run, {VERSION_KEY: version, **LAST_SINGLE_LABEL}, "r1")
-    with pytest.raises(CheckpointError, match=f"schema_version {version!r} is not a version this tool writes"):
+    with pytest.raises(CheckpointError, match=f"version {version!r} is not a version this tool writes"):
         run_record.read_run(run)
 
 
@@ -154,7 +154,7 @@ def test_a_new_record_reads_back_as_written(tmp_path):
     assert meta["base_model_relative"] is None and meta["quantize"] is None and meta["threshold"] == 0.4
 
 
-# metrics.json as earlier versions wrote it (version 1: no schema_version).
+# metrics.json as earlier versions wrote it (version 1: no version key).
 FIRST_METRICS = {  # the first finetune_classifier's
     "model": "tiny",
     "data": "data/sms.csv",
@@ -225,7 +225,10 @@ def test_metrics_are_written_with_their_version_and_read_back(tmp_path):
     assert run_dir.read_metrics(tmp_path) == metrics | {"run_id": "r3"}
     written[VERSION_KEY] = run_dir.METRICS_VERSION + 1
     (tmp_path / "metrics.json").write_text(json.dumps(written))
-    with pytest.raises(CheckpointError, match=f"metrics.json is schema_version {run_dir.METRICS_VERSION + 1}, newer"):
+    with pytest.raises(
+        CheckpointError,
+        match=f"metrics.json was written by a newer llama_scratch \\(version {run_dir.METRICS_VERSION + 1};",
+    ):
         run_dir.read_metrics(tmp_path)
     (tmp_path / "metrics.json").write_text("not json")
     assert run_dir.read_metrics(tmp_path) is None  # a report, not needed to load: an export says it has none

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from llama_scratch import __main__ as cli
-from llama_scratch import finetune_args, finetune_classifier, finetune_data
+from llama_scratch import finetune_classifier, finetune_data, finetune_settings
 from llama_scratch.checkpoints import progress
 from llama_scratch.checkpoints.run_record import RECORD_FILE, RUN_MARKER
 from llama_scratch.data.labelled import load_sms_spam
@@ -252,8 +252,29 @@ def test_plan_offers_lora_on_nf4_for_the_one_card_named(capsys):
     argv = ["plan", "--model", "llama3-8b", "--dtype", "bfloat16", "--gpu-memory", "12", "--lora", "8"]
     assert cli.main([*argv, "--quantize", "nf4"]) == 0
     assert "FITS on the given GPU (12.0 GiB)" in capsys.readouterr().out
-    helped = finetune_args.build_parser()._option_string_actions["--gpu-memory"].help
+    helped = finetune_settings.build_parser()._option_string_actions["--gpu-memory"].help
     assert "GiB" in helped
+
+
+@pytest.mark.parametrize("batch", [["--batch-size", "64"], ["--batch-tokens", "65536"]], ids=["rows", "tokens"])
+def test_plan_advice_changes_the_flag_that_sizes_the_batch(batch, capsys):
+    """Activations that do not fit: fewer rows a micro-batch, or under --batch-tokens a smaller budget, with more
+    micro-batches a step (the same work a step); never --batch-size for a run that --batch-tokens sizes (it would
+    ignore it). The option offered fits when planned as offered."""
+    argv = ["plan", "--model", "llama3-8b", "--gpu-memory", "24", "--lora", "8", "--train-last", "all", *batch]
+    assert cli.main([*argv, "--max-length", "512"]) == 2
+    offered = re.findall(r"^    (--\S.*?)\s+needs ([\d.]+) GiB", capsys.readouterr().out, re.MULTILINE)
+    option = offered[0][0]
+    if batch[0] == "--batch-size":
+        assert re.fullmatch(r"--batch-size \d+ --grad-accum \d+", option), option
+        rows, accum = map(int, re.findall(r"\d+", option))
+        assert rows * accum == 64
+    else:
+        assert re.fullmatch(r"--batch-tokens \d+ --grad-accum \d+", option), option
+        tokens, accum = map(int, re.findall(r"\d+", option))
+        assert tokens * accum == 65536
+    kept = [a for a in argv if a not in batch]
+    assert cli.main([*kept, "--max-length", "512", *option.split()]) == 0  # fits as offered
 
 
 # ---------------------------------------------------------------------------------------------- 9: runs/latest

@@ -41,9 +41,8 @@ LENGTHS = [3 + (i * 37) % 61 for i in range(90)]  # 90 texts of 3-63 tokens, man
 def test_token_budget_batches_hold_every_row_once_within_the_budget(padded):
     batches = budget_batches(LENGTHS, 200, seed=5, epoch=0, padded=padded)
     assert sorted(i for b in batches for i in b) == list(range(len(LENGTHS)))
-    for b in batches:  # what the device computes: the real tokens packed, rows x longest padded
-        cost = len(b) * max(LENGTHS[i] for i in b) if padded else sum(LENGTHS[i] for i in b)
-        assert cost <= 200
+    for b in batches:  # what the device holds: rows x longest padded, and packed in attention's padded copy too
+        assert len(b) * max(LENGTHS[i] for i in b) <= 200 and sum(LENGTHS[i] for i in b) <= 200
     # Greedy in length order: no two neighbouring batches (by length) could have been one.
     assert len(batches) <= sum(LENGTHS) // 200 * 2 + 1
     # Short texts make big batches, long ones small: the rows differ, the tokens do not much.
@@ -92,15 +91,48 @@ def test_a_token_budget_step_has_the_gradient_of_the_mean_over_all_its_rows():
     clf = LlamaClassifier(Llama(LlamaConfig.from_name("tiny")), num_classes=2, train_last=1)
     s = TrainSettings(batch_tokens=64, grad_accum=2)
 
-    def grads(step_rows, rows_in_step, settings):
+    def grads(step_rows, step_total, settings):
         clf.zero_grad(set_to_none=True)
-        train_step(clf, split, step_rows, settings, Replicated(), rows_in_step=rows_in_step)
+        train_step(clf, split, step_rows, settings, Replicated(), step_total=step_total)
         return [p.grad.clone() for p in clf.parameters() if p.requires_grad]
 
     apart = grads([list(range(3)), list(range(3, 12))], 12, s)
     whole = grads([list(range(12))], None, TrainSettings())
     for a, w in zip(apart, whole, strict=True):
         torch.testing.assert_close(a, w, rtol=1e-5, atol=1e-7)  # float32 sums in another order
+
+
+def test_class_weights_hold_across_a_step_s_micro_batches():
+    """--class-weights with micro-batches of one class each (--grad-accum 2, or a token budget's): the step's
+    gradient is the weighted mean over all its rows, as one batch gives; a weighted mean per micro-batch would be
+    each micro-batch's plain mean, the weights undone."""
+    from llama_scratch import Llama, LlamaClassifier, LlamaConfig
+    from llama_scratch.training.loop import row_weights, train_step
+
+    torch.manual_seed(0)
+    ids = [[1 + (i * 7 + j) % 100 for j in range(4 + i % 5)] for i in range(12)]
+    split = TokenizedSplit(ids, [0] * 6 + [1] * 6)
+    clf = LlamaClassifier(Llama(LlamaConfig.from_name("tiny")), num_classes=2, train_last=1)
+    weighted = TrainSettings(batch_size=6, grad_accum=2, class_weights=[1.0, 3.0])
+    weights = row_weights(split, weighted)
+    assert weights == [1.0] * 6 + [3.0] * 6
+
+    def grads(step_rows, step_total, settings):
+        clf.zero_grad(set_to_none=True)
+        train_step(clf, split, step_rows, settings, Replicated(), step_total=step_total)
+        return [p.grad.clone() for p in clf.parameters() if p.requires_grad]
+
+    apart = grads([list(range(6)), list(range(6, 12))], sum(weights), weighted)
+    whole = grads([list(range(12))], None, TrainSettings(batch_size=12, class_weights=[1.0, 3.0]))
+    for a, w in zip(apart, whole, strict=True):
+        torch.testing.assert_close(a, w, rtol=1e-5, atol=1e-7)  # float32 sums in another order
+    # The plan gives each step its rows' summed weights, over every process's micro-batches.
+    s2 = TrainSettings(batch_size=2, grad_accum=2, seed=4)
+    lengths = [5] * 16
+    one = epoch_plan(lengths, 0, s2, Processes(world_size=2), [float(i) for i in range(16)])[1]
+    mine = [epoch_plan(lengths, 0, s2, Processes(rank=r, world_size=2))[0] for r in (0, 1)]
+    expected = [sum(i for r in mine for b in r[k : k + 2] for i in b) for k in range(0, len(mine[0]), 2)]
+    assert one == expected and sum(one) == sum(range(16))
 
 
 def test_learning_rate_warms_up_then_decays_to_a_tenth():

@@ -354,8 +354,8 @@ def test_the_run_record_reads_back_as_written_and_names_a_bad_key(tmp_path):
     assert read.lora.modules() == [f"blocks.{b}.attention.{p}_proj" for b in (2, 3) for p in "qv"]
     meta = json.loads(path.read_text())
     assert meta["lora"] == {"rank": 4, "alpha": 8.0, "dropout": 0.0, "targets": ["q", "v"], "blocks": [2, 3]}
-    assert list(meta) == ["schema_version", *run_record.RECORD_KEYS] and meta["dtype"] == "bfloat16"
-    assert meta["schema_version"] == run_record.RECORD_VERSION and list(meta)[1] == "base_model"
+    assert list(meta) == ["version", *run_record.RECORD_KEYS] and meta["dtype"] == "bfloat16"
+    assert meta["version"] == run_record.RECORD_VERSION and list(meta)[1] == "base_model"
     assert list(meta)[-4:] == ["settings", "run_id", "multi_label", "threshold"]
     for key, value, says in (
         ("lora", {**meta["lora"], "blocks": "2,3"}, "unreadable lora entry (blocks is not a list of block numbers)"),

@@ -8,7 +8,7 @@ it came from), the model's config, the classes, how many blocks trained and whic
 tokenizer, the length and dtype of training, the settings, whether a text has several labels (`multi_label`, with
 the `threshold` that decides each), and the run id that the weights file carries too.
 
-The record carries its `schema_version` (`RECORD_VERSION`; `checkpoints.versions`), and every key is written, null
+The record carries its schema `version` (`RECORD_VERSION`; `checkpoints.versions`), and every key is written, null
 where there is nothing to say. A record written before versions were kept (version 1) lacks the keys added since
 the first release; `upgrade_1` says what their absence meant, so that everything past `read_record` sees one shape.
 
@@ -78,7 +78,7 @@ LORA_KEYS = ("rank", "alpha", "dropout", "targets", "blocks")
 
 
 def upgrade_1(meta: dict) -> dict:
-    """A version 1 record (no `schema_version`: written before versions were kept) as version 2: every key it lacks
+    """A version 1 record (no `version`: written before versions were kept) as version 2: every key it lacks
     (`ADDED_IN_VERSION_1`) with the meaning its absence had."""
     return ADDED_IN_VERSION_1 | meta
 

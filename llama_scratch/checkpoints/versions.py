@@ -1,6 +1,6 @@
 """Schema versions of the JSON records the tool writes (`classifier.json`, `metrics.json`): how an older file is read.
 
-Each record carries `schema_version`, the shape it was written in; a file without one is version 1 (everything
+Each record carries its schema `version`, the shape it was written in; a file without one is version 1 (everything
 written before versions were kept). Reading brings a file to the current shape one step at a time, each step a
 plain function from version N's dict to version N+1's, written once by the module that owns the record. So what
 a file "from before" some flag meant lives in that step, and the code that reads the record sees one shape only.
@@ -15,7 +15,7 @@ from pathlib import Path
 
 from .hf_layout import CheckpointError
 
-VERSION_KEY = "schema_version"
+VERSION_KEY = "version"  # as run_flags.json has it (finetune_settings)
 
 Upgrade = Callable[[dict], dict]  # version N's record -> version N+1's
 
@@ -34,7 +34,7 @@ def upgraded(record: dict, path: Path, current: int, steps: Mapping[int, Upgrade
         raise CheckpointError(f"{path}: {VERSION_KEY} {version!r} is not a version this tool writes")
     if version > current:
         raise CheckpointError(
-            f"{path} is {VERSION_KEY} {version}, newer than this llama_scratch reads (up to {current}): "
+            f"{path} was written by a newer llama_scratch ({VERSION_KEY} {version}; this one reads up to {current}): "
             "update llama_scratch to read it"
         )
     record = {k: v for k, v in record.items() if k != VERSION_KEY}

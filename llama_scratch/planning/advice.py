@@ -13,7 +13,18 @@ from dataclasses import dataclass, field
 import torch
 
 from ..model.lora import LoRASettings
-from .memory import FP32, NF4_BLOCK, QUANTIZE, GiB, MemoryPlan, PlanInputs, plan_memory, with_margin
+from .memory import (
+    FP32,
+    NF4_BLOCK,
+    QUANTIZE,
+    GiB,
+    MemoryPlan,
+    PlanInputs,
+    plan_memory,
+    planned_rows,
+    planned_tokens,
+    with_margin,
+)
 
 STAGES = ("weights", "weights, state and gradients", "activations", "fits")  # in the order memory fills
 LORA_RANK = 8  # the adapters' rank the advice offers: the recipe the docs and the GPU figures use
@@ -53,10 +64,13 @@ def _flags(r: PlanInputs, changes: dict) -> str:
     names = {"optimizer_state": "--optimizer-state", "train_last": "--train-last", "batch_size": "--batch-size"}
     names |= {"grad_accum": "--grad-accum", "seq_len": "--max-length"}
     flags = []
+    budget = r.tokens is not None and changes.get("tokens") is not None  # a token budget's batch: its own flag
     for key, value in changes.items():
-        if getattr(r, key) == value:
+        if getattr(r, key) == value or (budget and key == "batch_size"):
             continue
-        if key == "gradient_checkpointing":
+        if key == "tokens":
+            flags.append(f"--batch-tokens {value}")
+        elif key == "gradient_checkpointing":
             flags.append("--gradient-checkpointing")
         elif key == "dtype":
             flags.append("--dtype " + str(value).removeprefix("torch."))
@@ -135,26 +149,51 @@ def _fewer_trained(plan: MemoryPlan, gpu_bytes: int) -> list[tuple[dict, MemoryP
     return tried
 
 
+def _fewer_rows(r: PlanInputs) -> tuple[list[int], Callable[[int], dict]]:
+    """The smaller micro-batches to try, ascending, and the changes that make each: fewer rows with more
+    micro-batches a step (the same rows a step), or under a token budget (`tokens`) a budget of a half, a quarter,
+    ... with as many times the micro-batches (about the same tokens a step); not below one text of `seq_len`."""
+    if r.tokens is None:
+        rows = r.batch_size * r.grad_accum
+        return [b for b in range(1, r.batch_size) if rows % b == 0], lambda b: {
+            "batch_size": b,
+            "grad_accum": rows // b,
+        }
+    parts = {r.tokens // 2**i: 2**i for i in range(1, 16) if r.tokens // 2**i >= r.seq_len}
+    return sorted(parts), lambda t: {
+        "batch_size": planned_rows(0, t, r.seq_len),
+        "tokens": planned_tokens(t, r.seq_len),
+        "grad_accum": r.grad_accum * parts[t],
+    }
+
+
 def _smaller_activations(plan: MemoryPlan, gpu_bytes: int) -> list[tuple[dict, MemoryPlan]]:
-    """Activations grow with the rows and tokens of a micro-batch: gradient checkpointing, or fewer rows per
-    micro-batch (more micro-batches: the same rows per optimizer step), both if neither alone fits, and only then
-    shorter texts."""
+    """Activations grow with the rows and tokens of a micro-batch: gradient checkpointing, or smaller micro-batches
+    (more of them a step: the same work a step, `_fewer_rows`), both if neither alone fits, and only then shorter
+    texts."""
     r = plan.inputs
     rows = r.batch_size * r.grad_accum
-    sizes = [b for b in range(1, r.batch_size) if rows % b == 0]
+    sizes, smaller = _fewer_rows(r)
     ckpt = {} if r.gradient_checkpointing else {"gradient_checkpointing": True}
     tried = [(ckpt, replan(r, ckpt))] if ckpt else []
     for v in [{}, ckpt] if ckpt else [{}]:
         if v and any(p.fits(gpu_bytes) for _, p in tried):
             break
-        b = _largest(sizes, lambda b, v=v: replan(r, {**v, "batch_size": b, "grad_accum": rows // b}), gpu_bytes)
-        changes = {**v, "batch_size": b or 1, "grad_accum": rows // (b or 1)}
+        b = _largest(sizes, lambda b, v=v: replan(r, {**v, **smaller(b)}), gpu_bytes)
+        if b is None and r.tokens is not None:  # no budget fits: one text a micro-batch, then shorter texts
+            continue
+        changes = {**v, **(smaller(b) if b else {"batch_size": 1, "grad_accum": rows})}
         tried.append((changes, replan(r, changes)))
     if not any(p.fits(gpu_bytes) for _, p in tried):
-        one_row = {**ckpt, "batch_size": 1, "grad_accum": rows}
-        t = _largest(list(range(1, r.seq_len)), lambda t: replan(r, {**one_row, "seq_len": t}), gpu_bytes)
+
+        def one_text(t: int) -> dict:  # one text of t tokens a micro-batch (a budget of t: one such text)
+            if r.tokens is None:
+                return {**ckpt, "batch_size": 1, "grad_accum": rows, "seq_len": t}
+            return {**ckpt, "batch_size": 1, "seq_len": t, "tokens": t, "grad_accum": r.grad_accum * r.tokens // t}
+
+        t = _largest(list(range(1, r.seq_len)), lambda t: replan(r, one_text(t)), gpu_bytes)
         if t is not None:
-            tried.append(({**one_row, "seq_len": t}, replan(r, {**one_row, "seq_len": t})))
+            tried.append((one_text(t), replan(r, one_text(t))))
     return tried
 
 

@@ -234,17 +234,17 @@ def model_line(model_ref: str, train_last_arg: str | None, train_last: int | Non
     )
 
 
-def planned_device(args) -> tuple[bool, tuple[str, int] | None, str]:
+def planned_device(device: str, gpu_memory: float | None) -> tuple[bool, tuple[str, int] | None, str]:
     """What the plan is for: (a GPU?, the (name, bytes) to check it against, both in words). A GPU unless
     `--device cpu`: a plan is for the machine a run will have, which is rarely the one that plans it. The memory
     is `--gpu-memory`'s, else the detected GPU's, else none (nothing to check against)."""
     detected = detect_gpu()
-    if args.device.startswith("cpu"):
-        if args.gpu_memory is not None:
+    if device.startswith("cpu"):
+        if gpu_memory is not None:
             raise ValueError("--gpu-memory checks a plan for a GPU, and --device cpu plans for this machine's CPU")
         return False, None, "this machine's CPU (--device cpu)"
-    if args.gpu_memory is not None:
-        gpu = (detected[0] if detected else "the given GPU", int(args.gpu_memory * GiB))
+    if gpu_memory is not None:
+        gpu = (detected[0] if detected else "the given GPU", int(gpu_memory * GiB))
         name = detected[0] if detected else "a GPU"
         return True, gpu, f"{name} with {in_gib(gpu[1])} (--gpu-memory)"
     if detected:
@@ -265,9 +265,11 @@ def planned_dtype(arg: str, on_gpu: bool) -> tuple[torch.dtype, str]:
     return torch.float32, "--dtype auto: this GPU does not compute bfloat16 natively"
 
 
-def plan_command(args, cfg: LlamaConfig, train_last: int | None, lora: LoRASettings | None = None) -> dict:
-    """`python -m llama_scratch.finetune_classifier ... --plan`: print the plan for these arguments, load nothing.
+def plan_command(settings, cfg: LlamaConfig, train_last: int | None, lora: LoRASettings | None = None) -> dict:
+    """`python -m llama_scratch.finetune_classifier ... --plan`: print the plan for these settings, load nothing.
 
+    `settings` is the command's `FinetuneSettings` (finetune_settings.py; this layer reads its fields and imports
+    nothing of the command).
     `cfg` is the model's config, which the command read (`sources.config_of`: a preset, or a config.json alone).
     `train_last` is what the command resolved `--train-last` to
     (None: everything; for a preset, what its checkpoint would train: see plans_from_scratch), `lora` its --lora
@@ -275,19 +277,21 @@ def plan_command(args, cfg: LlamaConfig, train_last: int | None, lora: LoRASetti
     planned_dtype) and printed as the plan's assumption. Raises PlanDoesNotFit, after printing, when the plan does
     not fit the memory it is checked against; with none known it returns, having said so.
     """
-    on_gpu, gpu, device_words = planned_device(args)
-    dtype, dtype_words = planned_dtype(args.dtype, on_gpu)
-    model_ref = args.model
+    recipe, compute, parallel, asked = settings.recipe, settings.compute, settings.parallel, settings.plan
+    on_gpu, gpu, device_words = planned_device(settings.model.device, asked.gpu_memory)
+    dtype, dtype_words = planned_dtype(settings.model.dtype, on_gpu)
+    model_ref = settings.model.ref
     notes = []
-    if args.max_length is None:
+    if settings.data.max_length is None:
         notes.append("no --max-length given: planned for 512 tokens a text (a batch holds at most batch size x that)")
-    seq_len = args.max_length or 512
-    budget = getattr(args, "batch_tokens", None)
-    rows = planned_rows(args.batch_size, budget, seq_len)
+    seq_len = settings.data.max_length or 512
+    budget = recipe.batch_tokens
+    rows = planned_rows(recipe.batch_size, budget, seq_len)
     if budget is not None:
         notes.append(
             f"--batch-tokens {budget}: planned as {planned_tokens(budget, seq_len):,} tokens a batch, padded inside "
-            f"attention to {rows} texts of {seq_len}; a batch of texts of mixed lengths pads more there"
+            f"attention to {rows} texts of {seq_len} (a batch is cut so that its texts x its longest stay within the "
+            "budget too)"
         )
     inputs = PlanInputs(
         cfg=cfg,
@@ -296,19 +300,19 @@ def plan_command(args, cfg: LlamaConfig, train_last: int | None, lora: LoRASetti
         tokens=planned_tokens(budget, seq_len),
         train_last=train_last,
         dtype=dtype,
-        optimizer_state=args.optimizer_state,
-        gradient_checkpointing=args.gradient_checkpointing,
-        world_size=args.world_size or int(os.environ.get("WORLD_SIZE", 1)),
-        nodes=getattr(args, "nodes", None) or 1,
-        shard=args.shard,
-        shard_group=args.shard_group,
-        grad_accum=args.grad_accum,
+        optimizer_state=compute.optimizer_state,
+        gradient_checkpointing=compute.gradient_checkpointing,
+        world_size=asked.world_size or int(os.environ.get("WORLD_SIZE", 1)),
+        nodes=asked.nodes or 1,
+        shard=parallel.shard,
+        shard_group=parallel.shard_group,
+        grad_accum=recipe.grad_accum,
         device_type="cuda" if on_gpu else "cpu",
         lora=lora,
-        quantize=args.quantize,
+        quantize=compute.quantize,
     )
     plan = plan_memory(inputs)
-    cache = getattr(args, "cache_frozen", "off")  # the frozen-prefix cache (prefix_cache.py)
+    cache = compute.cache_frozen  # the frozen-prefix cache (prefix_cache.py)
     if cache != "off" and inputs.train_last is not None and inputs.train_last < inputs.cfg.n_layers:
         per_token = inputs.cfg.dim * dtype.itemsize
         notes.append(
@@ -316,7 +320,7 @@ def plan_command(args, cfg: LlamaConfig, train_last: int | None, lora: LoRASetti
             "the frozen forward then runs once, up front"
         )
     if int(os.environ.get("RANK", 0)) == 0:
-        print(model_line(model_ref, args.train_last, train_last))
+        print(model_line(model_ref, recipe.train_last, train_last))
         print(f"planned for {device_words}, in {str(dtype).removeprefix('torch.')} ({dtype_words})")
         print(format_plan(plan, gpu))
         for note in notes:

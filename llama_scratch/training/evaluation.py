@@ -249,18 +249,20 @@ def final_figures(results: dict[str, dict], label_names: list[str], threshold: f
 
 
 def final_line(metrics: dict) -> str:
-    """The run's last log line's figures: test accuracy (val, train), or under --multi-label the test micro- and
-    macro-F1 and exact-match accuracy at the run's threshold."""
+    """The run's last log line's figures: test accuracy (the bag-of-words baseline's beside it, val, train), or
+    under --multi-label the test micro- and macro-F1 and exact-match accuracy at the run's threshold."""
+    baseline = metrics.get("baseline", {}).get("test_accuracy")
+    beside = "" if baseline is None else f"bag-of-words baseline {baseline:.2%}; "
     if "threshold" not in metrics:
         return (
-            f"test accuracy {metrics['test_accuracy']:.2%} (val {metrics['val_accuracy']:.2%}, train "
+            f"test accuracy {metrics['test_accuracy']:.2%} ({beside}val {metrics['val_accuracy']:.2%}, train "
             f"{metrics['train_accuracy']:.2%}"
         )
     origin = metrics["threshold_chosen_on"]
     origin = "given by --threshold" if origin == "--threshold" else f"chosen on {origin}"
     return (
         f"test micro-F1 {metrics['test_micro_f1']:.4f}, macro-F1 {metrics['test_macro_f1']:.4f}, exact match "
-        f"{metrics['test_accuracy']:.2%} at threshold {metrics['threshold']:g} ({origin}; "
+        f"{metrics['test_accuracy']:.2%} at threshold {metrics['threshold']:g} ({beside}{origin}; "
         f"val micro-F1 {metrics['val_micro_f1']:.4f}, train "
         f"{metrics['train_micro_f1']:.4f}"
     )

@@ -237,6 +237,14 @@ def class_weight(s: TrainSettings, device: torch.device) -> torch.Tensor | None:
     return None if s.class_weights is None else to_device([torch.tensor(s.class_weights)], device)[0]
 
 
+def row_weights(split: TokenizedSplit, s: TrainSettings) -> list[float] | None:
+    """Each training row's class weight, for the step's summed weights (`epoch_plan`); None without class weights,
+    or under --multi-label, where a label's weight is its positive rows' `pos_weight`, inside each row's loss."""
+    if s.class_weights is None or split.multi_hot:
+        return None
+    return [s.class_weights[y] for y in split.labels]
+
+
 def train_step(
     model: nn.Module,
     split: TokenizedSplit,
@@ -244,13 +252,14 @@ def train_step(
     s: TrainSettings,
     strategy: Strategy,
     weight: torch.Tensor | None = None,
-    rows_in_step: int | None = None,
+    step_total: float | None = None,
 ) -> tuple[torch.Tensor, int]:
     """Forward and backward over one optimizer step's micro-batches, gradients accumulating. `weight`: the class
-    weights on the device (`class_weight`; made here when not given). `rows_in_step`: the step's rows over all
-    processes when micro-batches differ in size (`epoch_plan` with a token budget): each micro-batch's mean loss
-    then counts its rows, so the step's gradient is that of the mean over all its rows, as with equal batches
-    (where None divides by `grad_accum` instead; the processes' gradients are averaged, hence `world_size`).
+    weights on the device (`class_weight`; made here when not given). `step_total` (`epoch_plan`): what the step's
+    loss is divided by, its rows over all processes when micro-batches differ in size (a token budget), or the sum
+    of its rows' class weights: each micro-batch's summed loss over it, so the step's gradient is that of the
+    (weighted) mean over all its rows, as one batch of them would give. None: each micro-batch's mean divided by
+    `grad_accum` (equal batches, no class weights). The processes' gradients are averaged, hence `world_size`.
 
     Returns this process's (loss x rows, correct, rows) for the step, kept on the device so that nothing waits
     for the GPU here (nothing is copied to the device either, but each micro-batch's one non-blocking copy), and
@@ -267,10 +276,13 @@ def train_step(
         with strategy.gradient_sync(model, j == len(step_rows) - 1):
             logits = forward(model, batch)
             mean = objective.loss(logits, batch["labels"], weight)
-            if rows_in_step is None:
+            if step_total is None:
                 (mean / s.grad_accum).backward()
-            else:
-                (mean * (len(rows) * world_size / rows_in_step)).backward()
+            elif weight is None or batch["labels"].ndim > 1:  # rows count alike (a label's pos_weight is in its mean)
+                (mean * (len(rows) * world_size / step_total)).backward()
+            else:  # class weights: the sum of each row's weighted loss, over the step's summed weights
+                summed = objective.loss(logits, batch["labels"], weight, reduction="sum")
+                (summed * (world_size / step_total)).backward()
         correct = objective.correct(logits, batch["labels"])
         sums[:2] += torch.stack([mean.detach().double() * len(rows), correct.double()])
         sums[2] += len(rows)  # a number the kernel is given: no tensor made on the host and copied
@@ -377,7 +389,9 @@ class Loop:
 def train_epoch(loop: Loop, split: TokenizedSplit, state: TrainState) -> bool:
     """One epoch's optimizer steps from where `state` stands; True when it ran to its end (not the step limit)."""
     s, strategy = loop.s, loop.strategy
-    batches, step_rows = epoch_plan([len(x) for x in split.ids], state.epoch, s, strategy.processes)
+    batches, step_totals = epoch_plan(
+        [len(x) for x in split.ids], state.epoch, s, strategy.processes, row_weights(split, s)
+    )
     bar = progress_bar(
         total=len(batches) // s.grad_accum,
         initial=state.batches_done // s.grad_accum,
@@ -393,8 +407,8 @@ def train_epoch(loop: Loop, split: TokenizedSplit, state: TrainState) -> bool:
         if patience_spent(state, s):
             return False
     for k in todo:
-        rows_in_step = None if step_rows is None else step_rows[k // s.grad_accum]
-        sums, tokens = train_step(loop.model, split, batches[k : k + s.grad_accum], s, strategy, weight, rows_in_step)
+        total = None if step_totals is None else step_totals[k // s.grad_accum]
+        sums, tokens = train_step(loop.model, split, batches[k : k + s.grad_accum], s, strategy, weight, total)
         params = [p for p in loop.model.parameters() if p.requires_grad]
         norm = nn.utils.clip_grad_norm_(params, s.clip_grad if s.clip_grad > 0 else float("inf"))
         norm = strategy.full_norm(norm.detach()).to(sums).view(1)  # sharded: the norm of all the rows

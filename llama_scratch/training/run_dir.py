@@ -9,7 +9,7 @@ While a run trains, the directory holds only work files (the resume point and th
 results appear at the end, `classifier.json` last; each result carries the run's id, and `classify` checks that
 the weights and `classifier.json` share it, so files of two runs are never taken for one.
 
-`metrics.json` carries its `schema_version` (`METRICS_VERSION`, `checkpoints.versions`); `read_metrics` brings one
+`metrics.json` carries its schema `version` (`METRICS_VERSION`, `checkpoints.versions`); `read_metrics` brings one
 written before versions were kept to the current shape (`upgrade_metrics_1`) and refuses one newer than this code.
 """
 
@@ -298,11 +298,11 @@ def write_results(out: Path, run_id: str, metrics: dict, record: RunRecord, hist
 
 
 def upgrade_metrics_1(metrics: dict) -> dict:
-    """A version 1 metrics.json (no `schema_version`: written before versions were kept) as version 2: the keys
+    """A version 1 metrics.json (no `version`: written before versions were kept) as version 2: the keys
     added as the tool grew, with what a file without them meant. A --multi-label run has always recorded its
     threshold; before --select-by the kept weights were those of the best validation accuracy; before
     --val-data/--test-data every split was cut from --data (whose digest was not recorded); the best step, the
-    run id and the macro-F1 of each split were not recorded."""
+    run id and the macro-F1 of each split were not recorded, and no bag-of-words baseline was fitted."""
     splits = metrics.get("split_sizes") or {}
     added = {
         "split_files": {k: {"file": metrics.get("data"), "digest": None} for k in splits},
@@ -310,6 +310,7 @@ def upgrade_metrics_1(metrics: dict) -> dict:
         "select_by": "accuracy",
         "best_step": None,
         "run_id": None,
+        "baseline": None,
         **{f"{k}_macro_f1": None for k in splits},
     }
     return added | metrics

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Sequence
+from dataclasses import replace
 from typing import Protocol
 
 import torch
@@ -51,8 +52,10 @@ def budget_batches(lengths: Sequence[int], budget: int, seed: int, epoch: int, p
 
     The rows are shuffled, then sorted by length (a stable sort: texts of equal length stay shuffled), and cut
     greedily where the next text would overflow the budget; then the batches' order is shuffled. Texts of similar
-    length share a batch, so a padded batch wastes little and a packed one pads little inside attention. A
-    batch's cost is its real tokens when packed, rows x longest when padded (`padded`): what the device computes.
+    length share a batch, so a padded batch wastes little and a packed one pads little inside attention. A padded
+    batch (`padded`) costs rows x longest everywhere; a packed one its real tokens in the linear layers, but rows x
+    longest in attention's padded copy (`Packed.pad`), so a packed batch keeps both under the budget: the memory
+    plan's bound holds for it (short texts of mixed lengths would otherwise pad to twice the budget there).
 
     Sorting before cutting makes the number of batches the same in every epoch (the cuts depend on the sorted
     lengths alone), so the schedule's length is known before training starts.
@@ -66,7 +69,8 @@ def budget_batches(lengths: Sequence[int], budget: int, seed: int, epoch: int, p
     tokens = 0
     for i in order:
         n = lengths[i]  # the longest so far: the rows come shortest first
-        cost = (len(current) + 1) * n if padded else tokens + n
+        slots = (len(current) + 1) * n  # rows x longest: what padding, or attention's padded copy, holds
+        cost = slots if padded else max(tokens + n, slots)
         if current and cost > budget:
             batches.append(current)
             current, tokens = [], 0
@@ -78,23 +82,32 @@ def budget_batches(lengths: Sequence[int], budget: int, seed: int, epoch: int, p
 
 
 def epoch_plan(
-    lengths: Sequence[int], epoch: int, s: StepRecipe, processes: Processes
-) -> tuple[list[list[int]], list[int] | None]:
-    """This process's micro-batches for one epoch, and with `batch_tokens` the rows of each optimizer step over
-    all processes (None with `batch_size`: every micro-batch has that many rows).
+    lengths: Sequence[int], epoch: int, s: StepRecipe, processes: Processes, row_weights: Sequence[float] | None = None
+) -> tuple[list[list[int]], list[float] | None]:
+    """This process's micro-batches for one epoch, and what each optimizer step's loss is divided by: its rows over
+    all processes, or with `row_weights` (each row's class weight, `--class-weights`) the sum of its rows' weights.
+    None with `batch_size` and no weights: every micro-batch has that many rows, and its mean is the step's share.
 
     A token budget makes micro-batches of different sizes, so a mean over each would weigh a row in a small batch
-    more than one in a large: the step's row count lets each micro-batch's loss count its rows (`train_step`).
-    Every process makes the same list of batches and takes every `world_size`-th: step k's micro-batches on all
-    processes are the k-th window of `world_size x grad_accum` batches, and a last window not full is dropped.
+    more than one in a large; and a weighted mean over each micro-batch would undo class weights in a micro-batch
+    of one class. Dividing each micro-batch's summed loss by the step's total makes the step's loss the mean over
+    all its rows (`train_step`). Every process makes the same list of batches and takes every `world_size`-th:
+    step k's micro-batches on all processes are the k-th window of `world_size x grad_accum` batches, and a last
+    window not full is dropped.
     """
-    if s.batch_tokens is None:
-        return epoch_batches(len(lengths), epoch, s, processes), None
-    every = budget_batches(lengths, s.batch_tokens, s.seed, epoch, padded=s.padding_side != "packed")
+    weigh = (lambda b: len(b)) if row_weights is None else (lambda b: sum(row_weights[i] for i in b))
     window = processes.world_size * s.grad_accum
+    if s.batch_tokens is None:
+        mine = epoch_batches(len(lengths), epoch, s, processes)
+        if row_weights is None:
+            return mine, None
+        ranks = [epoch_batches(len(lengths), epoch, s, replace(processes, rank=r)) for r in range(processes.world_size)]
+        steps = range(0, len(mine), s.grad_accum)
+        return mine, [sum(weigh(b) for r in ranks for b in r[k : k + s.grad_accum]) for k in steps]
+    every = budget_batches(lengths, s.batch_tokens, s.seed, epoch, padded=s.padding_side != "packed")
     every = every[: len(every) // window * window]
-    step_rows = [sum(len(b) for b in every[i : i + window]) for i in range(0, len(every), window)]
-    return every[processes.rank :: processes.world_size], step_rows
+    totals = [sum(weigh(b) for b in every[i : i + window]) for i in range(0, len(every), window)]
+    return every[processes.rank :: processes.world_size], totals
 
 
 def check_enough_data(n_train: int, s: StepRecipe, processes: Processes, lengths: Sequence[int] | None = None) -> int:
