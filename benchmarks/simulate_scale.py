@@ -25,7 +25,7 @@ What it is and is not: the memory of a step, as PyTorch's allocator would be ask
 CPU's kernels (the fake device is a CPU: attention and AdamW run as on a CPU, so the plan is taken for a CPU too).
 It is not a GPU measurement: no CUDA context, no allocator fragmentation, no NCCL buffers (the plan's "required"
 adds margins for those), and no time. `--real` runs the same step on real tensors instead (small models only): it
-is how the fake counting is checked (tests/test_simulate_scale.py).
+is how the fake counting is checked (tests/benchmarks/test_simulate_scale.py).
 
 Details of the set-up, each checked on small real tensors before it was trusted (benchmarks/RESULTS.md):
 - the step runs outside the fake-tensor context (the tensors stay fake), because inside it the tracker also counted

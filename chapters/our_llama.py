@@ -6,7 +6,7 @@ token ids -> embedding -> n_layers x Block(RMSNorm -> attention -> add, RMSNorm 
 Chapter 2 reads RMSNorm and the rotary embedding, chapter 3 attention, chapter 4 the feed-forward layer, the block
 and the whole model. Chapter 6 loads SmolLM2's weights into `OurLlama`, chapter 7 puts the head on it
 (`OurClassifier`), chapter 8 takes a training step with that, chapter 10 generates text with `generate`. Each of
-those chapters checks it against the package, `llama_scratch`, and so does `tests/test_our_llama.py`. Change
+those chapters checks it against the package, `llama_scratch`, and so does `tests/chapters/test_our_llama.py`. Change
 anything here and they tell you whether it still computes Llama-3.
 
 What it leaves to the package, each time for the simplest code that computes the same numbers:

@@ -97,6 +97,8 @@ def option(
     metavar: str | None = None,
     choices: Sequence[str] | None = None,
     parse: Callable[[str], Any] | None = None,
+    positional: bool = False,
+    nargs: str | None = None,
     negate: bool = False,
     on_resume: bool = False,
     recorded: bool = True,
@@ -104,11 +106,13 @@ def option(
     """A settings field that is also a flag.
 
     flag: the flag's name (default: `--` and the field's name with dashes). aliases: other spellings it answers to.
-    parse: what turns the typed text into the value (default: the field's type, None taken out). negate: a `--no-X`
-    flag that sets the field to False (its default None: not told). on_resume: `--resume` may give it a new value
-    (it changes how the run computes, saves or plans, never what it trains on or how). recorded: kept in the run's
-    flags for `--resume` (False: a fact of this invocation, as `--resume` itself)."""
+    parse: what turns the typed text into the value (default: the field's type, None taken out). positional: typed
+    without a flag, in the order of the fields (`metavar` names it; `nargs` "*" for any number of them). negate: a
+    `--no-X` flag that sets the field to False (its default None: not told). on_resume: `--resume` may give it a new
+    value (it changes how the run computes, saves or plans, never what it trains on or how). recorded: kept in the
+    run's flags for `--resume` (False: a fact of this invocation, as `--resume` itself)."""
     meta = {"help": help, "flag": flag, "aliases": aliases, "metavar": metavar, "choices": choices, "parse": parse}
+    meta.update(positional=positional, nargs=nargs)
     meta.update(negate=negate, on_resume=on_resume, recorded=recorded)
     return dataclasses.field(default=default, metadata=meta)
 
@@ -146,6 +150,11 @@ def settings_parser(settings_cls: type, **kwargs) -> CommandParser:
         section = parser.add_argument_group(name)
         for f, kind in options(type(group_obj)):
             meta, dest = f.metadata, f"{name}.{f.name}"
+            if meta["positional"]:  # argparse names a positional by its dest: "group.field", shown as its metavar
+                shown = meta["metavar"] or f.name.upper()
+                kind = meta["parse"] or kind
+                section.add_argument(dest, metavar=shown, nargs=meta["nargs"], type=kind, help=meta["help"])
+                continue
             names = [flag_of(f), *meta["aliases"]]
             if kind is bool:
                 action = "store_const" if meta["negate"] else "store_true"

@@ -10,30 +10,46 @@ from __future__ import annotations
 
 import sys
 import time
+from dataclasses import dataclass
 
 from .checkpoints.gguf import GGUFError, convert_gguf
-from .cli import CommandParser
+from .cli import group, option, parse_settings
 from .model.config import parse_dtype
 
 
+@dataclass
+class ConvertOptions:
+    """The file to convert, where to, and how."""
+
+    gguf_file: str = option("", "the .gguf file", positional=True)
+    out_dir: str = option(
+        "", "directory to write (an existing one is replaced only if this tool wrote it)", positional=True
+    )
+    dtype: str = option("float32", "float32 (default: exact) or bfloat16 (half the size, rounded)")
+    force: bool = option(False, "replace a checkpoint this tool did not write (only that)")
+    no_progress: bool = option(False, "no progress bar")
+
+
+@dataclass
+class ConvertSettings:
+    """The convert command's settings (one group)."""
+
+    convert: ConvertOptions = group(ConvertOptions)
+
+
+DESCRIPTION = (
+    "Convert a llama.cpp GGUF file (Llama architecture, byte-level BPE tokenizer) into a Hugging Face-layout "
+    "checkpoint directory (float32 safetensors, config.json, tokenizer.json) for --model."
+)
+
+
 def main(argv: list[str] | None = None) -> int:
-    parser = CommandParser(
-        prog="python -m llama_scratch.convert_gguf",
-        description="Convert a llama.cpp GGUF file (Llama architecture, byte-level BPE tokenizer) into a Hugging "
-        "Face-layout checkpoint directory (float32 safetensors, config.json, tokenizer.json) for --model.",
-    )
-    parser.add_argument("gguf_file", help="the .gguf file")
-    parser.add_argument("out_dir", help="directory to write (an existing one is replaced only if this tool wrote it)")
-    parser.add_argument(
-        "--dtype", default="float32", help="float32 (default: exact) or bfloat16 (half the size, rounded)"
-    )
-    parser.add_argument("--force", action="store_true", help="replace a checkpoint this tool did not write (only that)")
-    parser.add_argument("--no-progress", action="store_true", help="no progress bar")
-    args = parser.parse_args(argv)
+    o = parse_settings(ConvertSettings, argv, prog="python -m llama_scratch.convert_gguf", description=DESCRIPTION)
+    o = o.convert
     start = time.perf_counter()
     try:
-        dtype = parse_dtype(args.dtype)
-        out = convert_gguf(args.gguf_file, args.out_dir, dtype=dtype, progress=not args.no_progress, force=args.force)
+        dtype = parse_dtype(o.dtype)
+        out = convert_gguf(o.gguf_file, o.out_dir, dtype=dtype, progress=not o.no_progress, force=o.force)
     except (GGUFError, OSError, ValueError) as e:  # OSError: a missing file, a refused OUT_DIR, a full disk
         print(f"error: {e}", file=sys.stderr)
         return 1

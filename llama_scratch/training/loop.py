@@ -42,7 +42,9 @@ class TrainSettings:
     batch_tokens: int | None = None
     grad_accum: int = 1
     lr: float = 2e-4  # for pretrained weights, which are only adjusted, gently
-    lr_fresh: ClassVar[float] = 1e-3  # weights that start from nothing: LoRA (98.67% on SMS, 97.67% at 2e-4), scratch
+    # Weights that start from nothing (LoRA adapters, a model from scratch) learn faster than pretrained ones, which
+    # are only adjusted (the LoRA rows of benchmarks/RESULTS.md's accuracy tables).
+    lr_fresh: ClassVar[float] = 1e-3
     weight_decay: float = 0.1
     warmup: float = 0.1  # fraction of the steps spent ramping the learning rate up from zero
     schedule: str = "cosine"  # cosine | linear | constant (after the warm-up)
@@ -50,7 +52,7 @@ class TrainSettings:
     seed: int = 123
     save_every: int = 50  # optimizer steps between resume checkpoints (also at every epoch end and on Ctrl-C)
     eval_batch_size: int | None = None  # None: 2 x batch_size
-    padding_side: str = "packed"  # packed: no padding at all (packing.py, issue 19); "right"/"left" pad
+    padding_side: str = "packed"  # packed: no padding at all (model/packing.py); "right"/"left" pad
     # "float32": float32 masters + moments for bf16 parameters (12 B a trained parameter; optim.py), else bf16 rounds
     # most updates away; "param": moments in the parameters' dtype (4 B in bf16, lossy). Same on float32 weights.
     optimizer_state: str = "float32"

@@ -1,0 +1,74 @@
+"""benchmarks/gpu_check.py, the script the lent GPU runs blind: its CPU mode (--quick) on tiny shapes, as a
+subprocess, so the script cannot rot between the rare runs on a GPU. gguf and llama-models are blocked, as the GPU
+machine lacks them."""
+
+import dataclasses
+import json
+import math
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT / "benchmarks"))
+import gpu_check  # noqa: E402
+
+# The GPU machine has neither package: nothing the script runs may import them.
+RUN = """import runpy, sys
+sys.modules["gguf"] = None
+sys.modules["llama_models"] = None
+sys.argv = ["benchmarks/gpu_check.py", *sys.argv[1:]]
+runpy.run_path("benchmarks/gpu_check.py", run_name="__main__")
+"""
+TOP_KEYS = ("command", "date", "device", "torch", "cuda", "total_seconds", "load_peak_ratio", "load_seconds")
+
+
+def test_quick_cpu_mode_reports_every_recipe(tmp_path):
+    out = tmp_path / "out"
+    argv = ["--device", "cpu", "--quick", "--out", str(out), "--dir", str(tmp_path / "ckpt")]
+    proc = subprocess.run([sys.executable, "-c", RUN, *argv], cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    result = json.loads((out / "gpu_check.json").read_text())
+    assert all(key in result for key in (*TOP_KEYS, "summary", "recipes")), sorted(result)
+    assert result["device"] == "CPU" and result["load_seconds"] > 0
+    assert [r["name"] for r in result["recipes"]] == [r.name for r in gpu_check.RECIPES]
+    for recipe in result["recipes"]:
+        assert recipe["error"] is None, recipe.get("traceback")
+        assert all(key in recipe for key in gpu_check.RECIPE_KEYS), sorted(recipe)
+        assert math.isfinite(recipe["loss_first"]) and math.isfinite(recipe["loss_last"]), recipe
+        assert recipe["train_tokens_per_s"] > 0 and recipe["plan_peak_gib"] > 0
+        assert recipe["sdpa_backend"] not in ("unknown", "none seen"), recipe["sdpa"]
+        # Only a GPU has these figures: null, never made up.
+        assert recipe["mfu"] is recipe["syncs_per_step"] is recipe["measured_peak_gib"] is None
+        assert recipe["launches_per_step"] is recipe["peer_peak_gib"] is None
+        # The peer ran beside it, from the same start: the same trained parameters, and (float32 on the CPU) the
+        # same first loss, but where our base is 4-bit and the peer's is not.
+        assert recipe.get("peer_error") is None and recipe["peer_tokens_per_s"] > 0, recipe.get("peer_error")
+        assert recipe["ratio_vs_peer"] == pytest.approx(recipe["train_tokens_per_s"] / recipe["peer_tokens_per_s"])
+        assert recipe["same_trained_params"], (recipe["trainable_params"], recipe["peer_trainable_params"])
+        assert recipe["same_first_loss"] == ("--quantize" not in recipe["flags"]), recipe["name"]
+        assert recipe["batch_tokens"] == (gpu_check.QUICK_BATCH_TOKENS if recipe["name"].endswith("-8k") else None)
+    cached = {r["name"]: r["frozen_prefix_cache"] for r in result["recipes"]}
+    assert cached == {
+        "8b-last2": True,
+        "8b-lora8": True,
+        "small-all": False,
+        "8b-nf4-lora8": True,
+        "8b-lora8-all-8k": False,
+        "small-all-8k": False,
+    }  # the real path's cache, where it applies
+    assert set(result["summary"]["ran"]) == set(cached) and not result["summary"]["failed"]
+    table = (out / "gpu_check.md").read_text()
+    assert table in proc.stdout and all(f"| {name} |" in table for name in cached)
+
+
+def test_step_flops_is_model_flops_text_by_text():
+    """The quadratic through three lengths gives model_flops at every length; the cache counts trained blocks only."""
+    cfg, lengths = gpu_check.QUICK, [1, 2, 9, 50, 385]
+    direct = sum(gpu_check.model_flops(cfg, None, 1, n, lora=False)["done"] for n in lengths)
+    assert gpu_check.step_flops(cfg, None, False, False, lengths) == pytest.approx(direct, rel=1e-9)
+    top = dataclasses.replace(cfg, n_layers=2)
+    direct = sum(gpu_check.model_flops(top, 2, 1, n, lora=True)["done"] for n in lengths)
+    assert gpu_check.step_flops(cfg, 2, True, True, lengths) == pytest.approx(direct, rel=1e-9)

@@ -1,0 +1,99 @@
+"""The classifier against transformers' LlamaForSequenceClassification, and which parameters train."""
+
+import pytest
+import torch
+import transformers
+
+from llama_scratch import Llama, LlamaClassifier, LlamaConfig
+from tests.hf_reference import ours_from_hf, padded_batch, real_positions, tiny_cfg
+
+PAD = 0  # the test's pad id; real tokens are drawn from 1..vocab-1 so that the reference can find them
+
+
+@pytest.fixture(scope="module")
+def pair():
+    cfg = tiny_cfg()
+    hf_cfg = transformers.LlamaConfig(**cfg.to_hf_dict(), num_labels=3, pad_token_id=PAD)
+    torch.manual_seed(1)
+    hf = transformers.LlamaForSequenceClassification(hf_cfg).float().eval()
+    causal = transformers.LlamaForCausalLM(hf_cfg).float()
+    causal.model.load_state_dict(hf.model.state_dict())
+    clf = LlamaClassifier(ours_from_hf(cfg, causal), num_classes=3).eval()
+    with torch.no_grad():
+        clf.head.weight.copy_(hf.score.weight)
+    return cfg, hf, clf
+
+
+@pytest.mark.parametrize("side", ["left", "right"])
+@torch.no_grad()
+def test_logits_match_sequence_classification(pair, side):
+    cfg, hf, clf = pair
+    rows = [torch.randint(1, cfg.vocab_size, (n,)).tolist() for n in (17, 5, 30, 1)]
+    ids, mask = padded_batch(rows, side)
+    got = clf(ids, mask)
+    want = hf(ids, attention_mask=mask, position_ids=real_positions(mask)).logits
+    assert got.shape == (4, 3)
+    assert (got - want).abs().max().item() < 1e-4
+    # Padding must not change a row's scores: compare with each row alone.
+    for i, row in enumerate(rows):
+        assert (got[i] - clf(torch.tensor([row]))[0]).abs().max().item() < 1e-4
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_head_follows_backbone_dtype(dtype):
+    model = Llama(tiny_cfg(dtype=dtype))
+    clf = LlamaClassifier(model, num_classes=2)
+    assert clf.head.weight.dtype == dtype and clf.head.weight.device == model.final_norm.weight.device
+    ids = torch.randint(0, 512, (2, 6))
+    assert clf(ids, torch.ones_like(ids)).dtype == dtype  # the seed bug: a float32 head here raised
+
+
+def test_only_intended_parameters_train():
+    cfg = tiny_cfg(n_layers=4)
+    clf = LlamaClassifier(Llama(cfg), num_classes=2, train_last=1)
+    trainable = set(clf.trainable_parameters())
+    assert trainable == {
+        "head.weight",
+        "backbone.final_norm.weight",
+        *(f"backbone.blocks.3.{n}" for n, _ in clf.backbone.blocks[3].named_parameters()),
+    }
+    ids = torch.randint(0, cfg.vocab_size, (2, 7))
+    torch.nn.functional.cross_entropy(clf(ids), torch.tensor([0, 1])).backward()
+    for name, p in clf.named_parameters():
+        assert (p.grad is not None) == (name in trainable), name
+
+    clf.set_trainable(None)
+    names = set(clf.trainable_parameters())
+    assert "backbone.embed_tokens.weight" in names and "backbone.lm_head.weight" not in names
+    clf.set_trainable(0)
+    assert set(clf.trainable_parameters()) == {"head.weight", "backbone.final_norm.weight"}
+    with pytest.raises(ValueError, match="between 0 and 4"):
+        clf.set_trainable(5)
+
+
+def test_tied_backbone_keeps_its_embedding_trainable_when_training_all():
+    clf = LlamaClassifier(Llama(LlamaConfig.from_name("tiny")), train_last=None)
+    assert "backbone.embed_tokens.weight" in clf.trainable_parameters()
+
+
+@pytest.mark.parametrize("device", ["cpu", *(["cuda"] if torch.cuda.is_available() else [])])
+def test_one_process_and_a_sharded_run_start_from_the_same_head_and_adapters(device):
+    """The head and LoRA adapters are drawn from the CPU's generator wherever the model is: a sharded run draws
+    them on the CPU (sharding.fresh_values) and one process on a GPU used to draw them from the GPU's generator."""
+    from llama_scratch.model.lora import LoRASettings, lora_layers
+    from llama_scratch.parallel.sharding import fresh_values
+
+    cfg, lora = LlamaConfig.from_name("tiny"), LoRASettings(rank=4, alpha=8.0)
+    backbone = Llama(cfg).to(device)
+    torch.manual_seed(7)
+    one = LlamaClassifier(backbone, num_classes=3, train_last=2, lora=lora)
+    with torch.device("meta"):
+        meta = LlamaClassifier(Llama(cfg), num_classes=3, train_last=2, lora=lora)
+    torch.manual_seed(7)
+    sharded = fresh_values(meta)
+    assert len(lora_layers(one)) > 0 and sharded.keys() == {
+        n for n, p in one.named_parameters() if "lora" in n or n == "head.weight"
+    }
+    for name, p in one.named_parameters():
+        if name in sharded:
+            assert p.device.type == device and torch.equal(p.detach().cpu(), sharded[name]), name
