@@ -60,11 +60,10 @@ from llama_scratch.finetune_classifier import (  # noqa: E402
     build_classifier,
     choose_model,
     compile_token_wise,
-    read_data,
     replica_plan_inputs,
-    tokenize,
     train_settings,
 )
+from llama_scratch.finetune_data import read_data, tokenize  # noqa: E402
 from llama_scratch.finetune_settings import parse_args as finetune_settings  # noqa: E402
 from llama_scratch.parallel.strategy import Strategy, choose_strategy  # noqa: E402
 from llama_scratch.planning.memory import MemoryPlan, plan_memory  # noqa: E402

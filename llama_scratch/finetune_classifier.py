@@ -18,9 +18,9 @@ import torch
 
 from .checkpoints.run_record import WEIGHTS_FILE, RunRecord, new_record
 from .cli import plain_warnings
-from .data.batching import TokenizedSplit, default_max_length, encode_texts
+from .data.batching import TokenizedSplit
 from .data.labelled import DataWarning, LabelledTexts
-from .finetune_data import held_out_identity, read_data, split_files
+from .finetune_data import held_out_identity, read_data, split_files, tokenize
 from .finetune_settings import (
     FinetuneSettings,
     lora_settings,
@@ -49,7 +49,7 @@ from .sources.resolve import (
     resolve_tokenizer,
     trains_from_scratch,
 )
-from .training.baseline import bag_of_words
+from .training.baseline import bag_of_words, warn_if_no_better
 from .training.board import open_board
 from .training.evaluation import evaluate, final_figures, final_line, kept_row, warn_if_one_class
 from .training.interrupts import sigterm_as_ctrl_c
@@ -204,25 +204,6 @@ def build_classifier(job: Job, log) -> tuple[LlamaClassifier, Tokenizer, str]:
     return clf, tokenizer, tokenizer_ref
 
 
-def tokenize(
-    parts: dict[str, LabelledTexts], tokenizer: Tokenizer, context: int, max_length: int | None, log
-) -> tuple[dict[str, TokenizedSplit], int]:
-    """Token ids per split. Training texts are cut to `max_length` (default: the longest training text, within the
-    context); validation and test texts only to the model's context, as `classify` reads a file, so the figures a
-    run reports are the ones classify gives on the same texts (a long test text is not judged by its start)."""
-    ids = {k: encode_texts(v.texts, tokenizer)[0] for k, v in parts.items()}
-    max_length = max_length or default_max_length(ids["train"], context)
-    limit = {k: max_length if k == "train" else context for k in parts}
-    cut = {k: sum(len(x) > limit[k] for x in ids[k]) for k in parts}
-    beyond = sum(cut.values()) - cut["train"]  # validation and test texts longer than the model's context
-    whole = "validation and test texts are evaluated whole, as classify reads them"
-    more = f"; {beyond:,} longer than the model's context, cut to its {context:,} tokens" if beyond else ""
-    log(f"max length {max_length} tokens; {cut['train']:,} training texts truncated ({whole}{more})")
-    return {
-        k: TokenizedSplit([x[: limit[k]] for x in ids[k]], parts[k].targets(), pad_id=tokenizer.pad_id) for k in parts
-    }, max_length
-
-
 @dataclass
 class Progress:
     """Where a run stands, for the message an interrupt leaves: what it was doing, and its output directory once
@@ -319,7 +300,7 @@ def run(settings: FinetuneSettings, progress: Progress | None = None) -> dict:
         on_row=job.board,
     )
     progress.phase = "evaluating the best weights"
-    log(kept_row(state.history, state.best_step, recipe.select_by))
+    log(kept_row(state.history, state.best_step, recipe.select_by, multi_label=job.data.multi_label))
     metrics = final_metrics(job, model, clf, splits, recipe, state)
     run_id = strategy.on_main(new_run_id)
     progress.phase = "writing the results"
@@ -331,21 +312,6 @@ def run(settings: FinetuneSettings, progress: Progress | None = None) -> dict:
     weights = f"epoch {metrics['best_epoch']}'s weights"
     log(f"{final_line(metrics)}; {weights}); {metrics['seconds']:.0f} s. Results in {out}/")
     return metrics
-
-
-def warn_if_no_better(metrics: dict, log) -> None:
-    """Say so when the bag-of-words baseline does at least as well on the test split as the fine-tuned model, and
-    what to try: the question a user asks first of their own data is whether the model beats the simple thing."""
-    baseline = metrics["baseline"].get("test_accuracy")
-    if baseline is None or metrics["test_accuracy"] > baseline:
-        return
-    what = "exact match" if metrics["multi_label"] else "test accuracy"
-    log(
-        "note: a bag-of-words logistic regression does at least as well on this test split "
-        f"({what} {baseline:.2%} against the model's {metrics['test_accuracy']:.2%}). Try training more of the model "
-        "(--train-last 6, or --lora 8 --train-last all), more epochs, or a larger --model; a task decided by a few "
-        "words may need no more than the baseline"
-    )
 
 
 def check_resume_point(job: Job, settings: TrainSettings) -> None:

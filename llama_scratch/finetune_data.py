@@ -1,12 +1,15 @@
 """What the data flags of `python -m llama_scratch.finetune_classifier` read: --data cut into train, validation and
 test splits, or joined by --val-data and --test-data, and what a run records of where each split came from (for
---resume's identity, metrics.json and classifier.json). The flags themselves are finetune_settings' `DataSettings`."""
+--resume's identity, metrics.json and classifier.json); and the splits as token ids (`tokenize`). The flags
+themselves are finetune_settings' `DataSettings`."""
 
 from __future__ import annotations
 
+from .data.batching import TokenizedSplit, default_max_length, encode_texts
 from .data.labelled import DataError, LabelledTexts, load_dataset
 from .data.splitting import default_protocol, split_with_files
 from .finetune_settings import DataSettings
+from .model.tokenizer import Tokenizer
 from .training.evaluation import check_threshold_value
 
 
@@ -68,3 +71,22 @@ def check_threshold(asked: DataSettings) -> None:
     if not asked.multi_label:
         raise ValueError("--threshold decides each label of --multi-label; one label per text takes the likeliest")
     check_threshold_value(asked.threshold)
+
+
+def tokenize(
+    parts: dict[str, LabelledTexts], tokenizer: Tokenizer, context: int, max_length: int | None, log
+) -> tuple[dict[str, TokenizedSplit], int]:
+    """Token ids per split. Training texts are cut to `max_length` (default: the longest training text, within the
+    context); validation and test texts only to the model's context, as `classify` reads a file, so the figures a
+    run reports are the ones classify gives on the same texts (a long test text is not judged by its start)."""
+    ids = {k: encode_texts(v.texts, tokenizer)[0] for k, v in parts.items()}
+    max_length = max_length or default_max_length(ids["train"], context)
+    limit = {k: max_length if k == "train" else context for k in parts}
+    cut = {k: sum(len(x) > limit[k] for x in ids[k]) for k in parts}
+    beyond = sum(cut.values()) - cut["train"]  # validation and test texts longer than the model's context
+    whole = "validation and test texts are evaluated whole, as classify reads them"
+    more = f"; {beyond:,} longer than the model's context, cut to its {context:,} tokens" if beyond else ""
+    log(f"max length {max_length} tokens; {cut['train']:,} training texts truncated ({whole}{more})")
+    return {
+        k: TokenizedSplit([x[: limit[k]] for x in ids[k]], parts[k].targets(), pad_id=tokenizer.pad_id) for k in parts
+    }, max_length

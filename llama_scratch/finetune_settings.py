@@ -13,6 +13,7 @@ from pathlib import Path
 
 import torch
 
+from .checkpoints.versions import upgraded
 from .cli import flag_of, from_json, group, option, parse_settings, settings_fields, settings_parser
 from .data.labelled import SEPARATOR
 from .model.lora import TARGETS, LoRASettings
@@ -391,25 +392,24 @@ def _homes() -> dict[str, str]:
     return {f.name: name for name, f, _ in settings_fields(FinetuneSettings())}
 
 
+def _nest_1(record: dict) -> dict:
+    """Version 1 (flat, by argparse's names) to 2: each value under its group, by its field's name; a flag that
+    no longer exists is dropped."""
+    homes, nested = _homes(), {}
+    for key, value in record.items():
+        name = _RENAMED_IN_2.get(key, key)
+        if name in homes:
+            nested.setdefault(homes[name], {})[name] = value
+    return {"settings": nested}
+
+
 def upgrade_flags(record: dict, where: Path) -> dict[str, dict]:
     """A run's record in this version's shape ({group: {field: value}}), whichever version wrote it; a version this
-    code does not know is refused, naming it."""
-    version = record.get("version", 1)
-    if version == 1:  # flat, by argparse's names: each under its group, by its field's name (a flag gone: dropped)
-        homes, nested = _homes(), {}
-        for key, value in record.items():
-            name = _RENAMED_IN_2.get(key, key)
-            if name in homes:
-                nested.setdefault(homes[name], {})[name] = value
-        return nested
-    if version != FLAGS_VERSION:
-        raise ValueError(
-            f"{where} was written by a newer llama_scratch (run flags version {version!r}; this one reads up to "
-            f"{FLAGS_VERSION}): resume it with that version"
-        )
-    if not isinstance(record.get("settings"), dict):
+    code does not know is refused, naming it (checkpoints.versions, as classifier.json and metrics.json)."""
+    settings = upgraded(record, where, FLAGS_VERSION, {1: _nest_1}).get("settings")
+    if not isinstance(settings, dict):
         raise ValueError(f"{where} does not hold a run's settings; resume with every flag given, or --overwrite")
-    return record["settings"]
+    return settings
 
 
 def resumed_flags(settings: FinetuneSettings, record: dict, where: Path) -> FinetuneSettings:

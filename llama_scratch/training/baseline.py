@@ -135,3 +135,18 @@ def bag_of_words(splits: dict[str, tuple[list[str], list]], num_classes: int, mu
     _, c, w, b = best
     figures = {f"{k}_accuracy": accuracy(predict(x[k], w, b, multi_label), y[k], multi_label) for k in splits}
     return {**figures, "c": c, "features": len(vocab.index)}
+
+
+def warn_if_no_better(metrics: dict, log) -> None:
+    """Say so when the bag-of-words baseline does at least as well on the test split as the fine-tuned model, and
+    what to try: the question a user asks first of their own data is whether the model beats the simple thing."""
+    baseline = metrics["baseline"].get("test_accuracy")
+    if baseline is None or metrics["test_accuracy"] > baseline:
+        return
+    what = "exact match" if metrics["multi_label"] else "test accuracy"
+    log(
+        "note: a bag-of-words logistic regression does at least as well on this test split "
+        f"({what} {baseline:.2%} against the model's {metrics['test_accuracy']:.2%}). Try training more of the model "
+        "(--train-last 6, or --lora 8 --train-last all), more epochs, or a larger --model; a task decided by a few "
+        "words may need no more than the baseline"
+    )

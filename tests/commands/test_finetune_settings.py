@@ -64,7 +64,7 @@ def test_a_version_1_record_is_upgraded_and_a_newer_one_refused(tmp_path):
     assert nested["recipe"] == {"epochs": 3} and nested["plan"] == {"requested": False}
     resumed = resumed_flags(parse_args(["--resume"]), old, tmp_path)
     assert (resumed.data.source, resumed.lora.rank, resumed.recipe.epochs) == ("x.csv", 8, 3)
-    with pytest.raises(ValueError, match=r"newer llama_scratch \(run flags version 3; this one reads up to 2\)"):
+    with pytest.raises(ValueError, match=r"newer llama_scratch \(version 3; this one reads up to 2\)"):
         upgrade_flags({"version": 3, "settings": {}}, tmp_path / "run_flags.json")
     with pytest.raises(ValueError, match="does not hold a run's settings"):
         upgrade_flags({"version": 2}, tmp_path)
