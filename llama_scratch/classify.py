@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -21,7 +22,7 @@ import torch
 from .checkpoints.atomic import write_text_atomic
 from .checkpoints.run_record import WEIGHTS_FILE, read_run
 from .checkpoints.weights import CheckpointError, copy_named_file
-from .cli import CommandParser
+from .cli import group, option, parse_settings
 from .data.batching import TokenizedSplit, forward, length_sorted_batches, to_batch
 from .data.inputs import read_inputs
 from .data.labelled import SEPARATOR, DataError
@@ -212,85 +213,95 @@ def positive_int(text: str) -> int:
     return int(text)
 
 
-def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = CommandParser(prog="python -m llama_scratch.classify", description=__doc__.splitlines()[0])
-    p.add_argument("--checkpoint", required=True, type=Path, help="output directory of finetune_classifier")
-    p.add_argument("texts", nargs="*", help="texts to classify")
-    p.add_argument(
-        "--file",
-        help="texts to classify: a .csv, .tsv or .jsonl table (its text column found by name, as in training), or "
-        "one text per line (.txt and any other file; '-': standard input)",
+@dataclass
+class ClassifyOptions:
+    """Which run, which texts (given or in a file, with their labels to score against), and how to compute."""
+
+    checkpoint: Path | None = option(None, "output directory of finetune_classifier", required=True)
+    texts: list[str] | None = option(None, "texts to classify", positional=True, nargs="*")
+    file: str | None = option(
+        None,
+        "texts to classify: a .csv, .tsv or .jsonl table (its text column found by name, as in training), or one text "
+        "per line (.txt and any other file; '-': standard input)",
     )
-    p.add_argument(
-        "--text-column",
+    text_column: str | None = option(
+        None,
+        "the table's text column or JSONL key, when its name is not a usual one (text, sentence, message, ...); a "
+        "0-based number for a file without a header",
         metavar="NAME",
-        help="the table's text column or JSONL key, when its name is not a usual one (text, sentence, message, "
-        "...); a 0-based number for a file without a header",
     )
-    p.add_argument(
-        "--labels",
-        action="store_true",
-        help="the file also has a label column: print accuracy, per-class precision/recall/F1 and the confusion "
-        "matrix (a --multi-label run's: ;-separated labels, and exact match, micro/macro-F1 and each label's "
-        "figures) (a .txt file is then read as a tab- or comma-separated table, as in training)",
+    labels: bool = option(
+        False,
+        "the file also has a label column: print accuracy, per-class precision/recall/F1 and the confusion matrix (a "
+        "--multi-label run's: ;-separated labels, and exact match, micro/macro-F1 and each label's figures) (a .txt "
+        "file is then read as a tab- or comma-separated table, as in training)",
     )
-    p.add_argument("--label-column", metavar="NAME", help="the file's label column or key (implies --labels)")
-    p.add_argument(
-        "--no-header",
-        dest="header",
-        action="store_const",
-        const=False,
-        default=None,
-        help="the table's first row is data, not column names (default: told from its contents, as in training)",
+    label_column: str | None = option(None, "the file's label column or key (implies --labels)", metavar="NAME")
+    header: bool | None = option(
+        None,
+        "the table's first row is data, not column names (default: told from its contents, as in training)",
+        flag="--no-header",
+        negate=True,
     )
-    p.add_argument(
-        "--output",
-        type=Path,
+    output: Path | None = option(
+        None,
+        "write the scores instead of printing a line per text (label, probability, the text's first "
+        f"{ECHO_CHARS} characters): a table's or JSONL file's own columns, then predicted, probability and p_<class> "
+        "for each class (text, the scores and label with --labels for texts without columns; a --multi-label run's "
+        "predicted is its labels ;-joined, and it has no probability); JSON Lines for .jsonl, TSV for .tsv, else CSV",
         metavar="FILE",
-        help="write the scores instead of printing a line per text (label, probability, the text's first "
-        f"{ECHO_CHARS} characters): a table's or JSONL file's own columns, then predicted, probability and "
-        "p_<class> for each class (text, the scores and label with --labels for texts without columns; a "
-        "--multi-label run's predicted is its labels ;-joined, and it has no probability); "
-        "JSON Lines for .jsonl, TSV for .tsv, else CSV",
     )
-    p.add_argument("--overwrite", action="store_true", help="replace an existing --output file")
-    p.add_argument(
-        "--threshold",
-        type=float,
+    overwrite: bool = option(False, "replace an existing --output file")
+    threshold: float | None = option(
+        None,
+        "a --multi-label run: predict each label whose probability is at least T, 0 < T < 1 (default: the run's, "
+        "chosen on its validation split or given by its --threshold; classifier.json)",
         metavar="T",
-        help="a --multi-label run: predict each label whose probability is at least T, 0 < T < 1 (default: the "
-        "run's, chosen on its validation split or given by its --threshold; classifier.json)",
     )
-    p.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N")
-    p.add_argument(
-        "--dtype",
-        default="auto",
-        help="auto (the training dtype on a GPU with bfloat16, else float32) | bfloat16 | float32",
+    device: str = option("auto", "auto | cpu | cuda | cuda:N")
+    dtype: str = option("auto", "auto (the training dtype on a GPU with bfloat16, else float32) | bfloat16 | float32")
+    batch_size: int = option(16, "texts per forward (default: 16)", parse=positive_int)
+    max_length: int | None = option(
+        None,
+        "cut texts to this many tokens (default: the model's context, whatever the training run used)",
+        parse=positive_int,
     )
-    p.add_argument("--batch-size", type=positive_int, default=16)
-    p.add_argument(
-        "--max-length",
-        type=positive_int,
-        help="cut texts to this many tokens (default: the model's context, whatever the training run used)",
+    model: str | None = option(None, "the base checkpoint directory, when it moved since training")
+    quantize: str | None = option(
+        None,
+        "hold the frozen base weights in 4-bit NF4 or int8 (default: as the run trained, classifier.json)",
+        choices=("nf4", "int8"),
     )
-    p.add_argument("--model", help="the base checkpoint directory, when it moved since training")
-    p.add_argument(
-        "--quantize",
-        choices=["nf4", "int8"],
-        help="hold the frozen base weights in 4-bit NF4 or int8 (default: as the run trained, classifier.json)",
-    )
-    args = p.parse_args(argv)
-    args.labels = args.labels or args.label_column is not None
-    if not args.texts and not args.file:
-        p.error("give texts to classify, or --file")
-    if (args.labels or args.text_column is not None or args.header is not None) and not args.file:
-        p.error("--labels, --label-column, --text-column and --no-header read a --file")
-    if args.labels and args.texts:
-        p.error("--labels: texts given on the command line have no label; put them in the --file")
-    return args
 
 
-def run(args: argparse.Namespace) -> None:
+@dataclass
+class ClassifySettings:
+    """The classify command's settings (one group)."""
+
+    classify: ClassifyOptions = group(ClassifyOptions)
+
+
+def misused(settings: ClassifySettings) -> str | None:
+    """What the flags cannot mean together, as a usage error (None: nothing)."""
+    o = settings.classify
+    if not o.texts and not o.file:
+        return "give texts to classify, or --file"
+    if (o.labels or o.label_column is not None or o.text_column is not None or o.header is not None) and not o.file:
+        return "--labels, --label-column, --text-column and --no-header read a --file"
+    if (o.labels or o.label_column is not None) and o.texts:
+        return "--labels: texts given on the command line have no label; put them in the --file"
+    return None
+
+
+def parse_args(argv: list[str] | None = None) -> ClassifyOptions:
+    """The command line as ClassifyOptions (`--label-column` implies `--labels`)."""
+    prog, description = "python -m llama_scratch.classify", __doc__.splitlines()[0]
+    o = parse_settings(ClassifySettings, argv, misused, prog=prog, description=description).classify
+    o.labels = o.labels or o.label_column is not None
+    return o
+
+
+def run(args: ClassifyOptions) -> None:
     """Check everything cheap first (output, device, run, input file), then load the model and classify."""
     reading = Path(args.file) if args.file and args.file != "-" else None
     if args.output and reading and reading.exists() and args.output.exists() and args.output.samefile(reading):

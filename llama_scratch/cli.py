@@ -99,6 +99,7 @@ def option(
     parse: Callable[[str], Any] | None = None,
     positional: bool = False,
     nargs: str | None = None,
+    required: bool = False,
     negate: bool = False,
     on_resume: bool = False,
     recorded: bool = True,
@@ -107,12 +108,13 @@ def option(
 
     flag: the flag's name (default: `--` and the field's name with dashes). aliases: other spellings it answers to.
     parse: what turns the typed text into the value (default: the field's type, None taken out). positional: typed
-    without a flag, in the order of the fields (`metavar` names it; `nargs` "*" for any number of them). negate: a
-    `--no-X` flag that sets the field to False (its default None: not told). on_resume: `--resume` may give it a new
-    value (it changes how the run computes, saves or plans, never what it trains on or how). recorded: kept in the
-    run's flags for `--resume` (False: a fact of this invocation, as `--resume` itself)."""
+    without a flag, in the order of the fields (`metavar` names it; `nargs` "*" for any number of them). required:
+    a flag that must be given. negate: a `--no-X` flag that sets the field to False (its default None: not told).
+    on_resume: `--resume` may give it a new value (it changes how the run computes, saves or plans, never what it
+    trains on or how). recorded: kept in the run's flags for `--resume` (False: a fact of this invocation, as
+    `--resume` itself)."""
     meta = {"help": help, "flag": flag, "aliases": aliases, "metavar": metavar, "choices": choices, "parse": parse}
-    meta.update(positional=positional, nargs=nargs)
+    meta.update(positional=positional, nargs=nargs, required=required)
     meta.update(negate=negate, on_resume=on_resume, recorded=recorded)
     return dataclasses.field(default=default, metadata=meta)
 
@@ -133,12 +135,14 @@ def group(cls: type) -> Any:
 
 
 def options(group_cls: type) -> list[tuple[dataclasses.Field, type]]:
-    """Each option field of a group with its type, None taken out of an `X | None` (what the flag parses)."""
+    """Each option field of a group with the type its flag parses: None taken out of an `X | None`, and X for the
+    items of a `list[X]` (a positional that takes several)."""
     hints = typing.get_type_hints(group_cls)
     found = []
     for f in dataclasses.fields(group_cls):
         kinds = [t for t in typing.get_args(hints[f.name]) if t is not type(None)] or [hints[f.name]]
-        found.append((f, kinds[0]))
+        kind = kinds[0]
+        found.append((f, typing.get_args(kind)[0] if typing.get_origin(kind) is list else kind))  # list[X]: each an X
     return found
 
 
@@ -166,6 +170,7 @@ def settings_parser(settings_cls: type, **kwargs) -> CommandParser:
                 dest=dest,
                 type=meta["parse"] or kind,
                 default=f.default,
+                required=meta["required"],
                 metavar=meta["metavar"] or (None if meta["choices"] else flag_of(f)[2:].replace("-", "_").upper()),
                 choices=meta["choices"],
                 help=meta["help"],
@@ -173,10 +178,14 @@ def settings_parser(settings_cls: type, **kwargs) -> CommandParser:
     return parser
 
 
-def parse_settings(settings_cls: type, argv: list[str] | None = None, **kwargs) -> Any:
+def parse_settings(
+    settings_cls: type, argv: list[str] | None = None, check: Callable[[Any], str | None] | None = None, **kwargs
+) -> Any:
     """The settings a command line gives, and in `typed` the `group.field` names of the flags typed on it (a
-    resumed run takes every other one from its record)."""
-    parsed = vars(settings_parser(settings_cls, **kwargs).parse_args(argv))
+    resumed run takes every other one from its record). `check`: what flags must go together, as a usage error's
+    message (None: they do), told as argparse tells its own."""
+    parser = settings_parser(settings_cls, **kwargs)
+    parsed = vars(parser.parse_args(argv))
     # A second parser whose defaults are all "absent" holds only what was typed: argparse has no other way to tell
     # `--epochs 5` from the default 5.
     quiet = settings_parser(settings_cls, **kwargs)
@@ -187,6 +196,8 @@ def parse_settings(settings_cls: type, argv: list[str] | None = None, **kwargs) 
         group_name, name = dest.split(".")
         setattr(getattr(settings, group_name), name, value)
     settings.typed = frozenset(vars(quiet.parse_args(argv)))
+    if check is not None and (message := check(settings)):
+        parser.error(message)
     return settings
 
 

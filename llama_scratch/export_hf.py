@@ -17,6 +17,7 @@ import json
 import os
 import shlex
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -26,7 +27,7 @@ from .checkpoints.export_tokenizer import tokenizer_file, tokenizer_files
 from .checkpoints.export_weights import plan_export, write_weights
 from .checkpoints.model_card import model_card
 from .checkpoints.run_record import WEIGHTS_FILE, read_run
-from .cli import CommandParser
+from .cli import group, option, parse_settings
 from .model.config import LlamaConfig, parse_dtype
 from .model.tokenizer import Tokenizer
 from .sources.fetch import DownloadError
@@ -154,22 +155,33 @@ def positive_float(text: str) -> float:
     return value
 
 
-def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = CommandParser(prog="python -m llama_scratch.export_hf", description=__doc__.splitlines()[0])
-    p.add_argument("--checkpoint", required=True, type=Path, help="output directory of finetune_classifier")
-    p.add_argument(
-        "--output",
-        required=True,
-        type=Path,
-        help="the directory to write (new, empty, or an earlier export with --overwrite)",
+@dataclass
+class ExportOptions:
+    """Which run, where to, in which dtype and shard size."""
+
+    checkpoint: Path | None = option(None, "output directory of finetune_classifier", required=True)
+    output: Path | None = option(
+        None, "the directory to write (new, empty, or an earlier export with --overwrite)", required=True
     )
-    p.add_argument(
-        "--dtype", choices=["bfloat16", "float32"], help="the weights' dtype (default: the dtype the run trained in)"
+    dtype: str | None = option(
+        None, "the weights' dtype (default: the dtype the run trained in)", choices=("bfloat16", "float32")
     )
-    p.add_argument("--model", help="the base checkpoint directory, when it moved since training")
-    p.add_argument("--max-shard-gb", type=positive_float, default=5.0, help="largest weight file, in GB (default: 5)")
-    p.add_argument("--overwrite", action="store_true", help="replace an earlier export in --output")
-    return p.parse_args(argv)
+    model: str | None = option(None, "the base checkpoint directory, when it moved since training")
+    max_shard_gb: float = option(5.0, "largest weight file, in GB (default: 5)", parse=positive_float)
+    overwrite: bool = option(False, "replace an earlier export in --output")
+
+
+@dataclass
+class ExportSettings:
+    """The export command's settings (one group)."""
+
+    export: ExportOptions = group(ExportOptions)
+
+
+def parse_args(argv: list[str] | None = None) -> ExportOptions:
+    """The command line as ExportOptions."""
+    prog, description = "python -m llama_scratch.export_hf", __doc__.splitlines()[0]
+    return parse_settings(ExportSettings, argv, prog=prog, description=description).export
 
 
 def main(argv: list[str] | None = None) -> int:
