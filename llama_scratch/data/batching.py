@@ -130,11 +130,11 @@ def to_batch(split: TokenizedSplit, rows: list[int], side: str, device: torch.de
     if split.states is not None:
         states, mask = pad_states([split.states[i] for i in rows])  # made on the states' device
         labels = to_device([labels], device)[0]
-        layout = Layout.padded(mask, mask.shape[1], mask.device, side="right")
+        layout = Layout.padded(mask, side="right")
         return {"frozen_states": states, "labels": labels, "layout": layout}
     batch = collate([(split.ids[i], split.labels[i]) for i in rows], split.pad_id, side)
     ids, mask, labels = to_device([batch["input_ids"], batch["attention_mask"], batch["labels"]], device)
-    return {"input_ids": ids, "labels": labels, "layout": Layout.padded(mask, mask.shape[1], mask.device, side=side)}
+    return {"input_ids": ids, "labels": labels, "layout": Layout.padded(mask, side=side)}
 
 
 def forward(model: nn.Module, batch: dict[str, Any]) -> torch.Tensor:

@@ -139,8 +139,7 @@ class LlamaClassifier(nn.Module):
         """
         backbone = self.backbone
         x = backbone.embed_tokens(input_ids) if frozen_states is None else frozen_states
-        if layout is None:
-            layout = Layout.padded(attention_mask, x.shape[1], x.device)
+        layout = Layout.plain(attention_mask, x.shape[1], x.device) if layout is None else layout
         start = 0 if frozen_states is None else self.frozen_blocks  # frozen states: the trained blocks only
         # The head reads one vector per text, so the last block runs only at each text's last real token: its
         # query, attention output, feed-forward and all after run once per text instead of once per token (its

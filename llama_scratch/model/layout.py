@@ -64,10 +64,19 @@ def causal_after(past: int, n: int, device: torch.device) -> tuple[torch.Tensor 
     return torch.ones(n, past + n, dtype=torch.bool, device=device).tril(diagonal=past)[None, None], False
 
 
-@dataclass(frozen=True)
+def cached_before(cache: KVCache | None, seq_len: int) -> int:
+    """How many positions the cache holds before `seq_len` new ones (0 without a cache), once sure it has room."""
+    if cache is None:
+        return 0
+    if cache.length + seq_len > cache.max_len:
+        raise ValueError(f"the cache holds {cache.max_len} positions; {cache.length} used, {seq_len} more asked")
+    return cache.length
+
+
+@dataclass(frozen=True, eq=False)  # eq=False: two layouts are never compared by their tensors
 class Layout:
-    """One batch's layout (see the module's docstring). Make it with `padded` or `packed`; `run_blocks` hands each
-    block `for_block(i, last)`, which is what attention reads."""
+    """One batch's layout (see the module's docstring). Make it with `unpadded`, `padded` or `packed`; `run_blocks`
+    hands each block `for_block(i, last)`, which is what attention reads."""
 
     positions: torch.Tensor  # [B, T] (packed: [1, N]) each new token's position within its own text: rotary angles
     mask: torch.Tensor | None = None  # [B or 1, 1, T, keys] True where a query may see a key; None: is_causal says
@@ -80,28 +89,24 @@ class Layout:
     block: int = 0  # the block this is handed to (`for_block`): whose store in the cache it writes
 
     @classmethod
-    def padded(
-        cls,
-        attention_mask: torch.Tensor | None,
-        seq_len: int,
-        device: torch.device,
-        *,
-        side: str | None = None,
-        cache: KVCache | None = None,
-    ) -> Layout:
-        """B rows of `seq_len` new tokens each, after the `cache`'s positions if one is given.
+    def unpadded(cls, seq_len: int, device: torch.device, *, cache: KVCache | None = None) -> Layout:
+        """B rows of `seq_len` new tokens each, every row one text with no padding, after the `cache`'s positions
+        if one is given."""
+        past = cached_before(cache, seq_len)
+        positions = torch.arange(past, past + seq_len, device=device).expand(1, seq_len)
+        return cls(positions, *causal_after(past, seq_len, device), cache=cache)
 
-        attention_mask [B, past + seq_len]: 1 at real tokens, 0 at pads, covering cached and new positions alike
-        (None: no padding, each row one text). `side` ("right" or "left"), when the batch's builder knows it, spares
-        reading the mask back to find out (a host-device sync on every forward).
+    @classmethod
+    def padded(cls, attention_mask: torch.Tensor, *, side: str | None = None, cache: KVCache | None = None) -> Layout:
+        """B padded rows, after the `cache`'s positions if one is given, on the mask's device.
+
+        attention_mask [B, past + new tokens]: 1 at real tokens, 0 at pads, covering cached and new positions alike.
+        `side` ("right" or "left"), when the batch's builder knows it, spares reading the mask back to find out (a
+        host-device sync on every forward).
         """
-        past = 0 if cache is None else cache.length
-        if cache is not None and past + seq_len > cache.max_len:
-            raise ValueError(f"the cache holds {cache.max_len} positions; {past} used, {seq_len} more asked")
-        if attention_mask is None:
-            positions = torch.arange(past, past + seq_len, device=device).expand(1, seq_len)
-            return cls(positions, *causal_after(past, seq_len, device), cache=cache, side=side)
-        real = attention_mask.to(device=device, dtype=torch.bool)
+        real, device = attention_mask.bool(), attention_mask.device
+        seq_len = real.shape[1] - (0 if cache is None else cache.length)  # the new tokens
+        past = cached_before(cache, seq_len)
         # Positions count real tokens only, so a left-padded row gets the same positions (and the same results) as
         # the row without padding.
         positions = (real.long().cumsum(-1) - 1).clamp(min=0)[:, past:]
@@ -119,6 +124,16 @@ class Layout:
         # (a row with nothing to attend to would give NaN, which would then leak through the values).
         mask = (keys <= query_at) & (real[:, None, :] | (keys == query_at))
         return cls(positions, mask.unsqueeze(1), False, cache=cache, real=real, side=side)  # [B, 1, T, keys]
+
+    @classmethod
+    def plain(
+        cls, attention_mask: torch.Tensor | None, seq_len: int, device: torch.device, cache: KVCache | None = None
+    ) -> Layout:
+        """The layout of a plain call, `model(ids, attention_mask)`: `padded` as the mask says (its side read from
+        it), or `unpadded` without one."""
+        if attention_mask is None:
+            return cls.unpadded(seq_len, device, cache=cache)
+        return cls.padded(attention_mask.to(device), cache=cache)
 
     @classmethod
     def packed(cls, texts: Packed) -> Layout:

@@ -198,7 +198,7 @@ class Llama(nn.Module):
         those rows (its keys and values still come from every position) and the result is [B, R, dim]. With a
         cache, the caller advances it (see `hidden_states`).
         """
-        layout = Layout.padded(None, x.shape[1], x.device) if layout is None else layout
+        layout = Layout.unpadded(x.shape[1], x.device) if layout is None else layout
         blocks = range(len(self.blocks))[start:stop]
         if len(blocks) == 0:
             return layout.at_rows(x)
@@ -226,7 +226,7 @@ class Llama(nn.Module):
         With a `cache`, `input_ids` are the tokens after its `length` cached ones (their keys and values are added),
         and `attention_mask` covers cached and new positions alike.
         """
-        layout = Layout.padded(attention_mask, input_ids.shape[1], input_ids.device, cache=cache)
+        layout = Layout.plain(attention_mask, input_ids.shape[1], input_ids.device, cache)
         x = self.run_blocks(self.embed_tokens(input_ids), layout)
         if cache is not None:
             cache.length += input_ids.shape[1]

@@ -74,7 +74,7 @@ def compute_frozen_states(
             else:
                 batch = collate([(token_lists[i], 0) for i in rows], pad_id)
                 ids, mask = to_device([batch["input_ids"], batch["attention_mask"]], device)  # one copy
-                x = clf.frozen_prefix(ids, Layout.padded(mask, mask.shape[1], device, side="right"))
+                x = clf.frozen_prefix(ids, Layout.padded(mask, side="right"))
                 out = [x[row, : len(token_lists[i])] for row, i in enumerate(rows)]
             for i, s in zip(rows, out, strict=True):
                 if k < len(batches):  # not the batch a sharded process runs only to take part
