@@ -112,7 +112,7 @@ def pad_states(states: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
 def to_batch(split: TokenizedSplit, rows: list[int], side: str, device: torch.device) -> dict[str, Any]:
     """A batch of these rows: `input_ids` or (with a cache) `frozen_states`, `labels`, and the batch's `layout`:
     packed (side "packed": the texts one after another, no padding, see packing.py) or padded on `side` ("right"
-    or "left"). Decided here, on the host, so the forward never has to look.
+    or "left", and then its `attention_mask` too). Decided here, on the host, so the forward never has to look.
 
     Every int the batch needs (labels, ids, the packed layout or the mask) goes to the device in one non-blocking
     copy (`to_device`): no copy here makes the host wait for the GPU. Cached states are on the device already.
@@ -131,10 +131,10 @@ def to_batch(split: TokenizedSplit, rows: list[int], side: str, device: torch.de
         states, mask = pad_states([split.states[i] for i in rows])  # made on the states' device
         labels = to_device([labels], device)[0]
         layout = Layout.padded(mask, side="right")
-        return {"frozen_states": states, "labels": labels, "layout": layout}
+        return {"frozen_states": states, "attention_mask": mask, "labels": labels, "layout": layout}
     batch = collate([(split.ids[i], split.labels[i]) for i in rows], split.pad_id, side)
-    ids, mask, labels = to_device([batch["input_ids"], batch["attention_mask"], batch["labels"]], device)
-    return {"input_ids": ids, "labels": labels, "layout": Layout.padded(mask, side=side)}
+    moved = dict(zip(batch, to_device(list(batch.values()), device), strict=True))
+    return moved | {"layout": Layout.padded(moved["attention_mask"], side=side)}
 
 
 def forward(model: nn.Module, batch: dict[str, Any]) -> torch.Tensor:

@@ -137,6 +137,8 @@ class LlamaClassifier(nn.Module):
         batch whose padding side is known), replaces `attention_mask`, so the model never looks at the mask to
         find out how the batch was laid out.
         """
+        if layout is not None and attention_mask is not None:
+            raise ValueError("give the batch's attention_mask or its layout, not both")
         backbone = self.backbone
         x = backbone.embed_tokens(input_ids) if frozen_states is None else frozen_states
         layout = Layout.plain(attention_mask, x.shape[1], x.device) if layout is None else layout
