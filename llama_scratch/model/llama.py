@@ -132,11 +132,15 @@ class Attention(nn.Module):
         B, T, _ = x.shape
         k = self.k_proj(x).view(B, T, self.n_kv_heads, self.head_dim).transpose(1, 2)  # [B, kv_heads, T, head_dim]
         v = self.v_proj(x).view(B, T, self.n_kv_heads, self.head_dim).transpose(1, 2)
-        k, v = layout.keys_values(apply_rotary(k, *rope), v)  # after the cached ones; packed texts apart
+        # One statement a step, each result replacing its input: what is no longer needed is freed at once.
+        k = apply_rotary(k, *rope)
+        k, v = layout.keys_values(k, v)  # after the cached ones (stored with them); packed texts apart
         x, rope = layout.at_query_rows(x, rope)  # queries only where the output is read
         q = self.q_proj(x).view(B, x.shape[1], self.n_heads, self.head_dim).transpose(1, 2)  # [B, heads, *, hd]
-        out = sdpa(layout.queries(apply_rotary(q, *rope)), k, v, layout.mask, layout.is_causal)
-        return self.o_proj(layout.back(out).transpose(1, 2).reshape(B, x.shape[1], -1))
+        q = apply_rotary(q, *rope)
+        q = layout.queries(q)  # laid out as the keys are
+        out = layout.back(sdpa(q, k, v, layout.mask, layout.is_causal))  # laid out as x is
+        return self.o_proj(out.transpose(1, 2).reshape(B, x.shape[1], -1))
 
 
 class FeedForward(nn.Module):
