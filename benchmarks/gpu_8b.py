@@ -201,8 +201,8 @@ def model_flops(
 ) -> dict:
     """FLOPs of one training step, two ways (see the module docstring).
 
-    "done": what the classifier computes. Its last block runs at each row's last token (`query_rows`), so only that
-    block's norm, k_proj and v_proj see every token. "6PT": the usual convention, every block at
+    "done": what the classifier computes. Its last block runs at each row's last token (its layout's query rows),
+    so only that block's norm, k_proj and v_proj see every token. "6PT": the usual convention, every block at
     every token; on this classifier it counts work that is never done, so it overstates MFU.
     `lora`: the trained blocks' weights are frozen under adapters, so their backward computes the input's gradient
     only: 4 FLOPs a weight a token instead of 6 (the rank-r adapters' own, under 0.5% at rank 8, are not counted).

@@ -5,8 +5,8 @@ scaled-dot-product attention spending 26 ms (forward) and 36 ms (backward) of ho
 head shapes while its kernels ran for 28-58 us. The suspicion: cuDNN builds an execution plan for each new shape,
 and packed training batches have a new longest text almost every step. This script times forward + backward of
 the package's own attention call shape (`F.scaled_dot_product_attention`, causal, key/value heads shared in the
-kernel as `model.llama.kernel_shares_heads` allows) over a sequence of lengths, each setting in its own process so
-no setting inherits another's cached plans:
+kernel as `model.attention_kernels.kernel_shares_heads` allows) over a sequence of lengths, each setting in its own
+process so no setting inherits another's cached plans:
 
 - `cudnn`:    torch's default order on sm90 (cuDNN first);
 - `no-cudnn`: cuDNN's SDPA switched off (`torch.backends.cuda.enable_cudnn_sdp(False)`): flash takes the call;

@@ -52,6 +52,7 @@ from llama_scratch.checkpoints.hf_layout import ours_to_hf
 from llama_scratch.checkpoints.weights import load_weights, save_checkpoint
 from llama_scratch.data.batching import collate
 from llama_scratch.data.labelled import load_sms_spam
+from llama_scratch.model.layout import Layout
 from llama_scratch.model.lora import TARGETS, LoRASettings, lora_layers
 from llama_scratch.model.packing import pack_ids
 from llama_scratch.training.loop import TrainSettings, make_optimizer
@@ -239,12 +240,12 @@ class Trainer:
 
 def forward_ours(model, batch):
     """Ours on the padded batch; the side is known where the batch is built, as `batching.to_batch` passes it."""
-    return model(batch["input_ids"], batch["attention_mask"], padding_side="right")
+    return model(batch["input_ids"], layout=Layout.padded(batch["attention_mask"], side="right"))
 
 
 def forward_ours_packed(model, batch):
     """Ours on the same texts packed without padding (what `batching.to_batch` gives for the layout "packed")."""
-    return model(batch["packed_ids"], packed=batch["packed"])
+    return model(batch["packed_ids"], layout=Layout.packed(batch["packed"]))
 
 
 def forward_theirs(model, batch):

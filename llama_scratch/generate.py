@@ -7,8 +7,8 @@ finetune_classifier would take (`sources.default_model`), and the command says w
 Why a cache: a causal model's keys and values for a position never change once computed, because position t
 attends only to positions <= t. Without a cache every new token recomputes the whole sequence (cost grows with
 the square of the length); with one, each step runs the network on the single new token and attends to the
-stored keys and values of all earlier ones: `model(new_ids, cache=cache)` (see `model.KVCache`), the same forward
-that training runs.
+stored keys and values of all earlier ones: `model(new_ids, cache=cache)` (see `model.kv_cache.KVCache`), the
+same forward that training runs.
 """
 
 from __future__ import annotations
@@ -20,7 +20,8 @@ from dataclasses import dataclass
 import torch
 
 from .cli import group, option, parse_settings
-from .model.llama import KVCache, Llama
+from .model.kv_cache import KVCache
+from .model.llama import Llama
 from .model.tokenizer import Tokenizer
 from .sources.devices import choose_dtype, resolve_device
 from .sources.fetch import DownloadError

@@ -14,6 +14,7 @@ import torch
 from torch import nn
 
 from ..checkpoints.progress import progress_bar
+from ..model.layout import Layout
 from ..model.packing import assemble, layout_parts, to_device
 
 
@@ -109,9 +110,9 @@ def pad_states(states: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def to_batch(split: TokenizedSplit, rows: list[int], side: str, device: torch.device) -> dict[str, Any]:
-    """A batch of these rows: `input_ids` or (with a cache) `frozen_states`, and `labels`; then either `packed`
-    (side "packed": the texts one after another, no padding, see packing.py) or `attention_mask` and
-    `padding_side` (side "right" or "left"). Decided here, on the host, so the forward never has to look.
+    """A batch of these rows: `input_ids` or (with a cache) `frozen_states`, `labels`, and the batch's `layout`:
+    packed (side "packed": the texts one after another, no padding, see packing.py) or padded on `side` ("right"
+    or "left", and then its `attention_mask` too). Decided here, on the host, so the forward never has to look.
 
     Every int the batch needs (labels, ids, the packed layout or the mask) goes to the device in one non-blocking
     copy (`to_device`): no copy here makes the host wait for the GPU. Cached states are on the device already.
@@ -122,25 +123,20 @@ def to_batch(split: TokenizedSplit, rows: list[int], side: str, device: torch.de
         cached = split.states is not None
         ids = torch.tensor([] if cached else [t for i in rows for t in split.ids[i]], dtype=torch.long)
         labels, ids, *parts = to_device([labels, ids, *layout_parts(lengths)], device)
-        batch = {"packed": assemble(parts, lengths), "labels": labels}
+        batch = {"layout": Layout.packed(assemble(parts, lengths)), "labels": labels}
         if cached:
             return batch | {"frozen_states": torch.cat([split.states[i] for i in rows])[None]}
         return batch | {"input_ids": ids[None]}
     if split.states is not None:
         states, mask = pad_states([split.states[i] for i in rows])  # made on the states' device
         labels = to_device([labels], device)[0]
-        return {"frozen_states": states, "attention_mask": mask, "labels": labels, "padding_side": "right"}
+        layout = Layout.padded(mask, side="right")
+        return {"frozen_states": states, "attention_mask": mask, "labels": labels, "layout": layout}
     batch = collate([(split.ids[i], split.labels[i]) for i in rows], split.pad_id, side)
-    moved = to_device(list(batch.values()), device)
-    return dict(zip(batch, moved, strict=True)) | {"padding_side": side}
+    moved = dict(zip(batch, to_device(list(batch.values()), device), strict=True))
+    return moved | {"layout": Layout.padded(moved["attention_mask"], side=side)}
 
 
 def forward(model: nn.Module, batch: dict[str, Any]) -> torch.Tensor:
     """The model's logits for a batch of `to_batch`, whichever its layout."""
-    return model(
-        batch.get("input_ids"),
-        batch.get("attention_mask"),
-        frozen_states=batch.get("frozen_states"),
-        packed=batch.get("packed"),
-        padding_side=batch.get("padding_side"),
-    )
+    return model(batch.get("input_ids"), frozen_states=batch.get("frozen_states"), layout=batch["layout"])

@@ -5,9 +5,9 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from .layout import Layout, last_real_positions
 from .llama import Llama
 from .lora import LoRASettings, add_lora, lora_layers
-from .packing import Packed
 
 
 def trained_blocks(n_layers: int, train_last: int | None) -> range:
@@ -22,17 +22,6 @@ def full_precision_blocks(n_layers: int, train_last: int | None, lora: LoRASetti
     """How many top blocks keep full-precision weights when the base is quantized: those that train whole. With
     LoRA none do (QLoRA: the adapters train over the quantized weights). Training and `classify` both ask here."""
     return 0 if lora is not None else len(trained_blocks(n_layers, train_last))
-
-
-def last_real_positions(attention_mask: torch.Tensor | None, batch: int, seq_len: int, device) -> torch.Tensor:
-    """[B] index of each row's last real token, whichever side the padding is on.
-
-    In a causal model only the last token has read the whole text, so it is the one that can summarise it.
-    """
-    if attention_mask is None:
-        return torch.full((batch,), seq_len - 1, device=device)
-    positions = torch.arange(seq_len, device=device)
-    return (attention_mask.to(device).long() * positions).argmax(-1)  # the largest position whose mask is 1
 
 
 def last_real_token(hidden: torch.Tensor, attention_mask: torch.Tensor | None) -> torch.Tensor:
@@ -122,24 +111,15 @@ class LlamaClassifier(nn.Module):
         """Name -> parameter for everything that trains: what the optimizer steps and the checkpoint saves."""
         return {name: p for name, p in self.named_parameters() if p.requires_grad}
 
-    def frozen_prefix(
-        self,
-        input_ids: torch.Tensor,
-        attention_mask: torch.Tensor | None = None,
-        *,
-        packed: Packed | None = None,
-        padding_side: str | None = None,
-    ) -> torch.Tensor:
+    def frozen_prefix(self, input_ids: torch.Tensor, layout: Layout | None = None) -> torch.Tensor:
         """The residual stream after the frozen blocks (embedding, then blocks 0..frozen_blocks-1), as `forward`
-        takes it back in `frozen_states`: [B, T, dim], or [1, N, dim] packed.
+        takes it back in `frozen_states`: [B, T, dim], or [1, N, dim] packed. `layout`: as `forward`'s.
 
         A method of the classifier, not of its backbone, so that a sharded classifier runs it as it runs `forward`
         (sharding.shard_model registers it with FSDP2): through the root module, whose hooks gather its own
         parameters (a tied embedding among them) and set FSDP up on first use, which a block run first would claim.
         """
-        backbone = self.backbone
-        x = backbone.embed_tokens(input_ids)
-        return backbone.run_blocks(x, attention_mask, stop=self.frozen_blocks, packed=packed, padding_side=padding_side)
+        return self.backbone.run_blocks(self.backbone.embed_tokens(input_ids), layout, stop=self.frozen_blocks)
 
     def forward(
         self,
@@ -147,33 +127,24 @@ class LlamaClassifier(nn.Module):
         attention_mask: torch.Tensor | None = None,
         frozen_states: torch.Tensor | None = None,
         *,
-        packed: Packed | None = None,
-        padding_side: str | None = None,
+        layout: Layout | None = None,
     ) -> torch.Tensor:
         """[B, T] token ids and 1/0 mask -> [B, num_classes] class scores (logits).
 
         `frozen_states` [B, T, dim] replaces `input_ids` with the output of the frozen blocks, computed once
-        beforehand (see `prefix_cache`), so that only the trained blocks run. With `packed`, the B texts come
-        packed without padding (packing.py): `input_ids` [1, N] or `frozen_states` [1, N, dim], no mask.
-        `padding_side`, when the batch's builder knows it, spares the model looking at the mask to find out.
+        beforehand (see `prefix_cache`), so that only the trained blocks run. `layout`, made where the batch was
+        (`data.batching.to_batch`: packed texts, `input_ids` [1, N] or `frozen_states` [1, N, dim], or a padded
+        batch whose padding side is known), replaces `attention_mask`, so the model never looks at the mask to
+        find out how the batch was laid out.
         """
+        if layout is not None and attention_mask is not None:
+            raise ValueError("give the batch's attention_mask or its layout, not both")
         backbone = self.backbone
         x = backbone.embed_tokens(input_ids) if frozen_states is None else frozen_states
+        layout = Layout.plain(attention_mask, x.shape[1], x.device) if layout is None else layout
         start = 0 if frozen_states is None else self.frozen_blocks  # frozen states: the trained blocks only
         # The head reads one vector per text, so the last block runs only at each text's last real token: its
         # query, attention output, feed-forward and all after run once per text instead of once per token (its
         # keys and values still come from every position). With train_last=1 that is most of the work.
-        if packed is not None:
-            pooled = backbone.run_blocks(x, start=start, query_rows=packed.last, packed=packed)[0]  # [B, dim]
-        else:
-            last = last_real_positions(attention_mask, x.shape[0], x.shape[1], x.device)
-            # Rows that all end at the last position need no mask there (the fastest kernel). Only a caller that did
-            # not say how it padded pays a look at the device tensor (a host sync) to find out.
-            if attention_mask is None or (padding_side is None and bool((last == x.shape[1] - 1).all())):
-                rows: torch.Tensor | slice = slice(-1, None)
-            else:
-                rows = last[:, None]
-            pooled = backbone.run_blocks(x, attention_mask, start=start, query_rows=rows, padding_side=padding_side)[
-                :, 0
-            ]
-        return self.head(backbone.final_norm(pooled))
+        pooled = backbone.run_blocks(x, layout.at_last_tokens(), start=start)  # [B, 1, dim]; packed: [1, B, dim]
+        return self.head(backbone.final_norm(pooled.flatten(0, 1)))

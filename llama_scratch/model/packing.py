@@ -1,13 +1,12 @@
-"""Batch layouts for attention: which keys each query sees, for padded batches, query rows and packed texts.
-
-Padding-free batches: the real tokens of several texts packed into one stream, no pad anywhere.
+"""Padding-free batches: the real tokens of several texts packed into one stream, no pad anywhere.
 
 Everything in a block except attention works token by token (norms, projections, feed-forward, LoRA), so it can
 run on the packed stream [1, N, dim], N the number of real tokens, and spend no compute on padding. Attention is
 the one place where texts must stay apart: there the stream's queries, keys and values are laid out as a
 right-padded [texts, heads, longest, head_dim] batch, attended causally (right padding needs no mask, so the
 fastest kernel serves it) and packed back. Measured on a 2-core CPU that beats one block-diagonal mask over the
-whole stream, whose N x N scores grow with the square of the batch (benchmarks/RESULTS.md).
+whole stream, whose N x N scores grow with the square of the batch (benchmarks/RESULTS.md). `layout.Layout.packed`
+is how attention is told.
 
 Everything here is built on the host from the texts' lengths, where the batch is made, and copied to the device
 with the batch's token ids and labels in one non-blocking copy (`to_device`): the forward then never has to
@@ -103,40 +102,3 @@ def pack_ids(
     lengths = [len(t) for t in token_lists]
     ids, *parts = to_device([ids, *layout_parts(lengths)], device)
     return ids[None], assemble(parts, lengths)
-
-
-# Query rows: [B, R] positions per batch row, or slice(-1, None), the last position of every row (known without
-# looking at a tensor, so no host sync to learn that it sees every key).
-Rows = torch.Tensor | slice
-
-
-def at_rows(t: torch.Tensor, rows: Rows) -> torch.Tensor:
-    """t [B or 1, T, ...] at the positions `rows` [B, R] of each batch row -> [B, R, ...] (a slice: t[:, rows])."""
-    if isinstance(rows, slice):  # a copy, as indexing with a tensor makes: a view saved for backward keeps all of t
-        return t[:, rows].clone()
-    batch = torch.arange(rows.shape[0], device=rows.device)[:, None]
-    return t.expand(rows.shape[0], *t.shape[1:])[batch, rows]
-
-
-def visible_keys(
-    mask: torch.Tensor | None, query_rows: Rows | None, n_queries: int, n_keys: int, device: torch.device
-) -> tuple[torch.Tensor | None, bool]:
-    """`scaled_dot_product_attention`'s (attn_mask, is_causal) for queries at the last `n_queries` of `n_keys`
-    positions, or only at `query_rows` [B, R] of those. `mask` None means plain causal: each position sees itself
-    and every position before it. We pass a mask only where we must: the fastest kernels take none.
-    """
-    past = n_keys - n_queries  # cached positions before the first query
-    if isinstance(query_rows, slice):
-        return (None, False) if mask is None else (mask[:, :, query_rows], False)  # the last query sees every key
-    if query_rows is not None:
-        if mask is not None:
-            return at_rows(mask[:, 0], query_rows).unsqueeze(1), False  # the mask's rows: [B, 1, R, keys]
-        return (torch.arange(n_keys, device=device) <= past + query_rows[..., None]).unsqueeze(1), False
-    if mask is not None:
-        return mask, False
-    if n_queries == n_keys:
-        return None, True
-    if n_queries == 1:
-        return None, False  # one new token after cached ones: it sees them all
-    # is_causal=True aligns its triangle top-left (query 0 with key 0); after cached keys it must end bottom-right.
-    return torch.ones(n_queries, n_keys, dtype=torch.bool, device=device).tril(diagonal=past), False

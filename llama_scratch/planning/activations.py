@@ -140,15 +140,16 @@ def last_block_saved_bytes(
     device_type: str,
     lora: LoRASettings | None = None,
 ) -> int:
-    """Bytes the classifier's last block saves. It runs only where the classifier reads it (`Block` with
-    `query_rows`): its attention norm and keys and values at every position, the rest at each text's last token."""
+    """Bytes the classifier's last block saves. It runs only where the classifier reads it (`Block` at its
+    layout's query rows): its attention norm and keys and values at every position, the rest at each text's last
+    token."""
     n, rows, d, f = b.tokens, b.texts, cfg.dim, cfg.ffn_dim
     q, kv = cfg.n_heads * cfg.head_dim, cfg.n_kv_heads * cfg.head_dim
     # Every position: the attention norm's float32 input and 1/rms, if its input needs a gradient.
     everywhere = (FP32 * n * d + FP32 * n) if input_grad else 0
     if device_type == "cuda":
         # A padded batch gives the pooled rows a key mask, and with a mask the model repeats keys and values for
-        # every query head (model.Attention.attend); a packed one always has one (Packed.last_sees: each text's
+        # every query head (model.attention_kernels.sdpa); a packed one always has one (Packed.last_sees: each text's
         # own keys). Planned as SDPA's math kernel, the worst case (float32 copies of them over every slot, kept
         # with the float32 query and the softmax); the memory-efficient kernel keeps the repeated keys and values
         # in the model's dtype: less. Unmeasured on a GPU.

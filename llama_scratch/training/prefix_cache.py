@@ -15,6 +15,7 @@ import torch
 from ..checkpoints.progress import progress_bar
 from ..data.batching import TokenizedSplit, collate, length_sorted_batches
 from ..model.classifier import LlamaClassifier
+from ..model.layout import Layout
 from ..model.packing import pack_ids, to_device
 from ..parallel.strategy import Replicated, Strategy
 from ..sources.devices import free_memory, memory_budget
@@ -68,12 +69,12 @@ def compute_frozen_states(
     with strategy.forwards_only(clf, inference=False):
         for k, rows in enumerate(progress_bar(batches + [[0]] * extra, desc, leave=False, disable=quiet)):
             if packed:  # no padding: each text's states are its own stretch of the stream
-                ids, layout = pack_ids([token_lists[i] for i in rows], device)
-                out = layout.split(clf.frozen_prefix(ids, packed=layout))
+                ids, texts = pack_ids([token_lists[i] for i in rows], device)
+                out = texts.split(clf.frozen_prefix(ids, Layout.packed(texts)))
             else:
                 batch = collate([(token_lists[i], 0) for i in rows], pad_id)
                 ids, mask = to_device([batch["input_ids"], batch["attention_mask"]], device)  # one copy
-                x = clf.frozen_prefix(ids, mask, padding_side="right")
+                x = clf.frozen_prefix(ids, Layout.padded(mask, side="right"))
                 out = [x[row, : len(token_lists[i])] for row, i in enumerate(rows)]
             for i, s in zip(rows, out, strict=True):
                 if k < len(batches):  # not the batch a sharded process runs only to take part

@@ -10,7 +10,7 @@ import torch
 from llama_scratch import Llama, LlamaConfig, Tokenizer
 from llama_scratch.checkpoints.weights import save_checkpoint
 from llama_scratch.generate import chat_prompt, generate, main, pick_token
-from llama_scratch.model.llama import KVCache
+from llama_scratch.model.kv_cache import KVCache
 from llama_scratch.sources.resolve import load_model
 
 pytest_plugins = ["tests.smollm2"]  # the SmolLM2 fixtures: smollm2_gguf_file, smollm2_dir

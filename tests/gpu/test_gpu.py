@@ -259,7 +259,7 @@ def test_attention_at_the_training_shapes_is_a_fused_kernel(base, gpu_device, gp
     """A training step and an evaluation forward as the loop runs them (packed batches of 8 and 16 texts, the last
     block trained, bfloat16, head_dim 64, grouped-query heads): every attention call goes to flash or the
     memory-efficient kernel, none to the math kernel (float32 T x T scores) nor to cuDNN's, which plans afresh for
-    each new length (model.llama.CUDA_KERNEL_ORDER). No tolerance: a count of kernel calls."""
+    each new length (model.attention_kernels.CUDA_KERNEL_ORDER). No tolerance: a count of kernel calls."""
     clf = LlamaClassifier(load_model(base, device=gpu_device, dtype=gpu_dtype), num_classes=2, train_last=1)
     settings, strategy = TrainSettings(batch_size=8), Replicated(device=gpu_device)
     data = texts(16, seed=5)

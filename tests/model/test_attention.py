@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from llama_scratch import Llama, LlamaClassifier, LlamaConfig
 from llama_scratch.generate import generate
 from llama_scratch.model.classifier import last_real_token
-from llama_scratch.model.llama import KVCache
+from llama_scratch.model.kv_cache import KVCache
 from tests.hf_reference import padded_batch
 
 CFG = LlamaConfig(
@@ -207,6 +207,7 @@ def every_path() -> list[torch.Tensor]:
     """The outputs of every layout attention serves: no padding (is_causal), right and left padding, the
     classifier's last token (query rows), packed texts and their last tokens, a cache's prefill, chunked prefill
     (a mask after cached keys) and decoding, and a left-padded batch decoded with its mask."""
+    from llama_scratch.model.layout import Layout
     from llama_scratch.model.packing import pack_ids
 
     model = tiny()
@@ -218,8 +219,8 @@ def every_path() -> list[torch.Tensor]:
             ids, mask = batch(side)
             outputs += [model(ids, mask), clf(ids, mask)]
         g = torch.Generator().manual_seed(2)
-        ids, layout = pack_ids([torch.randint(1, CFG.vocab_size, (n,), generator=g).tolist() for n in LENGTHS])
-        outputs.append(clf(ids, packed=layout))
+        ids, texts = pack_ids([torch.randint(1, CFG.vocab_size, (n,), generator=g).tolist() for n in LENGTHS])
+        outputs.append(clf(ids, layout=Layout.packed(texts)))
         ids = torch.randint(0, CFG.vocab_size, (2, 12), generator=g)
         cache = KVCache(model, 2, 13)
         outputs += [model(ids[:, :5], cache=cache), model(ids[:, 5:], cache=cache), model(ids[:, :1], cache=cache)]
@@ -233,14 +234,15 @@ def every_path() -> list[torch.Tensor]:
 
 def test_sharing_key_value_heads_equals_repeating_them_on_every_path(monkeypatch, sdpa_calls):
     """Where the kernel shares key/value heads (`enable_gqa`) and where they are repeated first is a speed choice
-    (model.llama.kernel_shares_heads): every path's output is the same, in float32, to 1e-6, with the rule, with
-    every call repeating, and with every call sharing (the CPU's kernel takes a mask with shared heads too)."""
-    from llama_scratch.model import llama
+    (model.attention_kernels.kernel_shares_heads): every path's output is the same, in float32, to 1e-6, with the
+    rule, with every call repeating, and with every call sharing (the CPU's kernel takes a mask with shared heads
+    too)."""
+    from llama_scratch.model import attention_kernels
 
     by_rule = every_path()
     assert any(c["enable_gqa"] for c in sdpa_calls) and any(c["mask"] and not c["enable_gqa"] for c in sdpa_calls)
     for always in (False, True):
-        monkeypatch.setattr(llama, "kernel_shares_heads", lambda q, mask, always=always: always)
+        monkeypatch.setattr(attention_kernels, "kernel_shares_heads", lambda q, mask, always=always: always)
         sdpa_calls.clear()
         other = every_path()
         assert all(c["enable_gqa"] is always for c in sdpa_calls)
@@ -251,7 +253,7 @@ def test_sharing_key_value_heads_equals_repeating_them_on_every_path(monkeypatch
 def test_kernel_shares_heads_only_where_a_fast_kernel_takes_them():
     """No mask: shared on the CPU; on CUDA only in half precision (flash's dtypes). A mask: repeated everywhere.
     (The GPU's compute capability is asked only for a CUDA tensor; meta tensors stand in for the others.)"""
-    from llama_scratch.model.llama import kernel_shares_heads
+    from llama_scratch.model.attention_kernels import kernel_shares_heads
 
     q, mask = torch.zeros(1, 8, 4, 8), torch.ones(1, 1, 4, 4, dtype=torch.bool)
     assert kernel_shares_heads(q, None) and not kernel_shares_heads(q, mask)

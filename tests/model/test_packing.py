@@ -9,6 +9,7 @@ import torch.nn.functional as F
 
 from llama_scratch import Llama, LlamaClassifier, LlamaConfig
 from llama_scratch.data.batching import TokenizedSplit, forward, to_batch
+from llama_scratch.model.layout import Layout
 from llama_scratch.model.lora import LoRASettings
 from llama_scratch.model.packing import pack, pack_ids
 from llama_scratch.parallel.strategy import Replicated
@@ -124,10 +125,10 @@ def test_cache_splits_runs_each_distinct_text_once(monkeypatch):
 def test_last_layer_hidden_states_match_an_unpadded_run():
     """Every token of the packed stream gets the hidden state of its text run alone."""
     model = tiny().eval()
-    ids, layout = pack_ids(split().ids)
+    ids, texts = pack_ids(split().ids)
     with torch.no_grad():
-        packed = model.run_blocks(model.embed_tokens(ids), packed=layout)
-        for tokens, got in zip(split().ids, layout.split(packed), strict=True):
+        packed = model.run_blocks(model.embed_tokens(ids), Layout.packed(texts))
+        for tokens, got in zip(split().ids, texts.split(packed), strict=True):
             alone = model.run_blocks(model.embed_tokens(torch.tensor([tokens])))[0]
             torch.testing.assert_close(got, alone, rtol=1e-5, atol=1e-5)
 

@@ -24,6 +24,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from llama_scratch import Llama, LlamaClassifier, LlamaConfig
 from llama_scratch.data.batching import TokenizedSplit
+from llama_scratch.model.layout import Layout
 from llama_scratch.parallel.strategy import Replicated
 from llama_scratch.training import loop as train
 from llama_scratch.training.evaluation import evaluate
@@ -165,10 +166,10 @@ def test_the_simulation_sees_what_used_to_sync(monkeypatch):
 
     def old_to_batch(split, rows, side, device):
         batch = batching.to_batch(split, rows, side, "cpu")
-        layout = batch["packed"]
-        moved = layout._replace(**{k: getattr(layout, k).to(device) for k in ("positions", "slots", "last")})
+        texts = batch["layout"].texts
+        moved = texts._replace(**{k: getattr(texts, k).to(device) for k in ("positions", "slots", "last")})
         return batch | {
-            "packed": moved,
+            "layout": Layout.packed(moved),
             "input_ids": batch["input_ids"].to(device),
             "rows": torch.tensor(2, device=device),
         }
