@@ -42,12 +42,11 @@ from .sources.resolve import (
     resolve_tokenizer,
     trains_from_scratch,
 )
+from .training import resume_points
 from .training.board import open_board
 from .training.evaluation import evaluate, final_figures, final_line, kept_row, warn_if_one_class
 from .training.interrupts import sigterm_as_ctrl_c
 from .training.loop import (
-    RESUME_DIR,
-    RESUME_FILE,
     TrainingDiverged,
     TrainSettings,
     balanced_weights,
@@ -146,7 +145,8 @@ def choose_model(args: argparse.Namespace, strategy: Strategy, log) -> ModelChoi
         cfg = LlamaConfig.from_hf(ref)
         return choose_dtype(args.dtype, device, cfg.dtype, count_parameters(cfg).backbone, log)
 
-    dtype = strategy.on_main(checkpoint_dtype)  # free memory differs between processes: rank 0 decides
+    # Free memory differs between processes: rank 0 decides, and sends the dtype's name (on_main sends JSON).
+    dtype = getattr(torch, strategy.on_main(lambda: str(checkpoint_dtype()).removeprefix("torch.")))
     refuse_float16(dtype, f"{ref} is stored in float16, and a float32 copy would not fit: it")
     from_scratch = trains_from_scratch(ref)
     train_last = chosen_train_last(args.train_last, from_scratch)
@@ -261,7 +261,7 @@ def prepare(args: argparse.Namespace, progress: Progress) -> tuple[Job, TrainSet
     data, parts, protocol = read_data(args, log)
     progress.phase = "finding the model"
     choice = choose_model(args, strategy, log)
-    out = args.output or strategy.on_main(lambda: default_output(choice.ref, args.data))
+    out = args.output or Path(strategy.on_main(lambda: str(default_output(choice.ref, args.data))))
     log(f"output: {out}/")
     check_output(out, args.resume, args.overwrite)  # before anything is loaded or written
     job = Job(args, strategy, started, data, parts, protocol, choice, out)
@@ -339,10 +339,10 @@ def run(args: argparse.Namespace, progress: Progress | None = None) -> dict:
 def check_resume_point(job: Job, settings: TrainSettings) -> None:
     """--resume: refuse a resume point of another run now, with everything known before the weights load (the
     loop checks again when it reads the point, with the max length as well). Every process gets the point's JSON
-    (strategy.read_resume: rank 0's, or each its part's, agreed on), so all refuse alike, on machines that do not
+    (resume_points.read: rank 0's, or each its part's, agreed on), so all refuse alike, on machines that do not
     share rank 0's disk too. A point of the other kind (sharded or not) is refused by name here too."""
     strategy, out = job.strategy, job.out
-    found = strategy.read_resume(out / RESUME_FILE, out / RESUME_DIR, tensors=False)
+    found = resume_points.read(strategy, out, tensors=False)
     if found is None:
         return
     identity = {"world_size": strategy.processes.world_size, **run_identity(job, job.args.max_length)}

@@ -5,12 +5,20 @@ import os
 import subprocess
 import sys
 import textwrap
+from pathlib import Path
+
+REPO = str(Path(__file__).resolve().parents[1])
 
 
 def run_on_two_processes(script: str, path, timeout: float = 300) -> None:
     """Run `script` under torchrun with two CPU processes; each prints 'rank N ok' when its checks pass."""
     path.write_text(script)
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    # The script lies outside the checkout: PYTHONPATH makes it import this checkout's package, not an installed one.
+    env = {
+        **os.environ,
+        "OMP_NUM_THREADS": "1",
+        "PYTHONPATH": os.pathsep.join([REPO, os.environ.get("PYTHONPATH", "")]),
+    }
     run = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", str(path)]
     result = subprocess.run(run, capture_output=True, text=True, env=env, timeout=timeout)
     assert result.returncode == 0, result.stderr[-3000:]

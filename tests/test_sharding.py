@@ -200,22 +200,19 @@ def test_bfloat16_sharded_run_steps_float32_masters(checkpoint, small_csv, tmp_p
 def test_a_sharded_point_from_another_number_of_processes_is_refused(tmp_path):
     """Resharding is not supported: a point saved by 2 processes, resumed by 4, is one clear error naming both."""
     from llama_scratch.checkpoints.resume import ResumeError
-    from llama_scratch.parallel import sharding
-    from llama_scratch.parallel.strategy import Processes
+    from llama_scratch.training import resume_points
 
     point = tmp_path / "resume.sharded" / "point-00000001"
     point.mkdir(parents=True)
     for r in range(2):
-        (point / sharding.part_name(Processes(rank=r, world_size=2))).write_bytes(b"")
+        (point / resume_points.part_name(r, 2)).write_bytes(b"")
     (tmp_path / "resume.sharded" / "current").write_text("point-00000001\n")
-    assert sharding.part_path(tmp_path / "resume.sharded", Processes(rank=1, world_size=2)).name == (
-        "rank-00001-of-00002.safetensors"
-    )
+    assert resume_points.part_path(tmp_path / "resume.sharded", 1, 2).name == "rank-00001-of-00002.safetensors"
     with pytest.raises(ResumeError, match="saved by 2 processes, this run has 4"):
-        sharding.part_path(tmp_path / "resume.sharded", Processes(rank=0, world_size=4))
-    assert sharding.is_resume_dir(tmp_path / "resume.sharded")
+        resume_points.part_path(tmp_path / "resume.sharded", 0, 4)
+    assert resume_points.is_resume_dir(tmp_path / "resume.sharded")
     (tmp_path / "resume.sharded" / "notes.txt").write_text("mine")  # a file we did not write: not ours to delete
-    assert not sharding.is_resume_dir(tmp_path / "resume.sharded")
+    assert not resume_points.is_resume_dir(tmp_path / "resume.sharded")
 
 
 FROZEN_PASS_SCRIPT = """
