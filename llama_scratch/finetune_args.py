@@ -212,8 +212,8 @@ def build_parser() -> argparse.ArgumentParser:
         choices=["auto", "on", "off"],
         default="auto",
         help="compute the frozen "
-        "layers' output once, not every epoch (default: auto, when it fits in a quarter of memory and "
-        "half of what is free)",
+        "layers' output once, not every epoch (default: auto, when it fits in a quarter of the device's memory and "
+        "half of what the model leaves: decided from the data, the model and the device, not from what else runs)",
     )
     g.add_argument(
         "--compile",

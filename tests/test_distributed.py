@@ -98,9 +98,9 @@ CACHE_SCRIPT = textwrap.dedent(
     assert len(one) == 1 and torch.allclose(one[0], alone[0], atol=1e-5)
     # Whether to cache is one decision for all: with room on rank 0 only, neither caches (else a deadlock).
     quiet = lambda *a: None  # noqa: E731
-    prefix_cache.free_memory = lambda device: 2**40 if rank == 0 else 0
+    prefix_cache.memory_budget = lambda device, fraction=0.25: 2**40 if rank == 0 else 0
     assert prefix_cache.use_cache("auto", clf, {"train": texts}, strategy, quiet) is False
-    prefix_cache.free_memory = lambda device: 2**40
+    prefix_cache.memory_budget = lambda device, fraction=0.25: 2**40
     assert prefix_cache.use_cache("auto", clf, {"train": texts}, strategy, quiet) is True
     os.write(1, f"rank {rank} ok\\n".encode())  # one write: the two ranks share the pipe
     teardown()

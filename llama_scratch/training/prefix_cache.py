@@ -17,7 +17,7 @@ from ..data.batching import TokenizedSplit, collate, length_sorted_batches
 from ..model.classifier import LlamaClassifier
 from ..model.packing import pack_ids, to_device
 from ..parallel.strategy import Replicated, Strategy
-from ..sources.devices import free_memory, memory_budget
+from ..sources.devices import memory_budget
 
 
 def distinct_texts(token_lists: Iterable[list[int]]) -> dict[tuple[int, ...], int]:
@@ -84,7 +84,11 @@ def compute_frozen_states(
 
 
 def use_cache(choice: str, clf: LlamaClassifier, ids: dict[str, list[list[int]]], strategy: Strategy, log) -> bool:
-    """Whether to cache the frozen layers' output: there must be frozen blocks, and (auto) room to keep it.
+    """Whether to cache the frozen layers' output: there must be frozen blocks, and (auto) room to keep it: at most a
+    quarter of the device's memory, and half of what the model's own weights leave of it. Decided from the data, the
+    model and the device's size, never from what is free at this moment: the same command and seed must cache, or
+    not, whatever else runs, since the cached and uncached runs round differently (the frozen blocks run over other
+    batches) and so end a few float32 roundings apart. The log says which was chosen.
 
     With several processes (DDP or --shard) every process must decide alike (computing the cache is collective), so
     the tightest one decides. Each process keeps every text's states (see `compute_frozen_states`), so the size
@@ -95,11 +99,12 @@ def use_cache(choice: str, clf: LlamaClassifier, ids: dict[str, list[list[int]]]
     size = cache_bytes(list(distinct_texts(itertools.chain(*ids.values()))), clf)  # each distinct text once
     if choice == "auto":
         device = strategy.device
-        room = min(memory_budget(device), free_memory(device) // 2)  # the rest is for training itself
+        left = memory_budget(device, fraction=1.0) - strategy.held_bytes(clf)  # the rest is for training itself
+        room = min(memory_budget(device), left // 2)
         if size > strategy.least_room(room):
             log(
                 f"not caching the frozen layers: {size / 2**30:.1f} GiB exceeds a quarter of the device's memory "
-                "or half of what is free (--cache-frozen on to insist)"
+                "or half of what the model leaves (--cache-frozen on to insist)"
             )
             return False
     each = strategy.per_process(" in each process")
