@@ -68,9 +68,9 @@ def choose_strategy(device: str | None = None, shard: bool = False, shard_group:
 
 def optimizer_kernels(params: list[torch.Tensor]) -> dict[str, bool | None]:
     """AdamW's `fused` and `foreach` arguments for these parameters. The fused kernel on GPUs and CPUs: no
-    temporaries (foreach briefly copies the state: 15 GB for all of 8B), and fast (the default job's step on 2 CPU
-    cores: 2.1 ms, 17 ms a tensor at a time). Sharded parameters (DTensors) take the multi-tensor (foreach) kernel:
-    the fused one gathered them whole in our simulation (127 GiB a process, 8B on 8), while DTensor runs each
+    temporaries (foreach briefly copies the optimizer state), and several times faster than a tensor at a time
+    (benchmarks/RESULTS.md). Sharded parameters (DTensors) take the multi-tensor (foreach) kernel: the fused one
+    gathered them whole in our simulation (benchmarks/simulate_scale.py, RESULTS.md), while DTensor runs each
     foreach op on the local shards (torch >= 2.4, all of them on one mesh, as sharding.shard_model puts them), a
     few launches per group instead of a few per tensor; its temporaries, one copy of this process's share of the
     second moments (sqrt(v)), are in the plan (planning/memory.optimizer_bytes). Explicit, not None: torch

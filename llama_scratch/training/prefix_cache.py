@@ -49,7 +49,7 @@ def compute_frozen_states(
 
     Texts go through in batches sorted by length, right-padded (which keeps each row's real positions identical to
     running it alone: causal attention never looks ahead) or packed without padding (`packed`, packing.py). Sorted
-    batches carry little padding, so packing gains less here (1.09x, benchmarks/RESULTS.md); `cache_splits` packs.
+    batches carry little padding, so packing gains less here (benchmarks/RESULTS.md); `cache_splits` packs.
     Several processes (DDP or --shard: `strategy`, one process without) each compute every N-th text and then
     exchange them: all end up with every text, since the training loop deals the rows out afresh every epoch
     (train.epoch_batches) and evaluation deals out each split by length. Sharded, each frozen block's forward
@@ -118,7 +118,7 @@ def cache_splits(
     """The same splits, each text carrying its frozen-prefix output (the training loop then runs only the rest).
 
     Every distinct text runs once, whichever splits hold it, and its copies share one tensor: labelled data often
-    repeats itself (the SMS collection's book split holds 1,494 texts, 1,390 distinct: 10% of the tokens).
+    repeats itself (the bundled SMS collection does: benchmarks/RESULTS.md counts its distinct texts).
     """
     distinct = distinct_texts(itertools.chain(*(split.ids for split in splits.values())))
     pad_id = next(iter(splits.values())).pad_id
