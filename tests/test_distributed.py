@@ -172,3 +172,22 @@ REDUCTION_SCRIPT = textwrap.dedent(
 
 def test_ddp_reduces_bfloat16_gradients_in_float32(tmp_path):
     run_on_two_processes(REDUCTION_SCRIPT, tmp_path / "ddp_reduction.py")
+
+
+def test_what_one_process_sends_another_is_json_and_an_error_is_rebuilt_by_class():
+    """on_main and on_each_node send JSON, never a pickle: a result JSON cannot hold is refused (alone too, so a
+    caller's mistake shows without torchrun), and an error arrives as the same class with the same message."""
+    import pytest
+
+    from llama_scratch.checkpoints.resume import ResumeError
+    from llama_scratch.parallel import distributed
+    from llama_scratch.parallel.strategy import Replicated
+
+    assert Replicated().on_main(lambda: ("a", 1)) == ["a", 1]  # as every process would receive it
+    with pytest.raises(TypeError, match="PosixPath"):
+        Replicated().on_main(lambda: Path("x"))
+    with pytest.raises(ResumeError, match="^runs/x: refused$"):
+        distributed.raise_sent({"error": distributed.error_json(ResumeError("runs/x: refused"))})
+    with pytest.raises(RuntimeError, match="nowhere.Unknown: gone"):
+        distributed.raise_sent({"error": {"module": "nowhere", "name": "Unknown", "message": "gone"}})
+    assert distributed.raise_sent({"result": {"k": [1]}}) == {"k": [1]}
