@@ -68,7 +68,6 @@ from llama_scratch.finetune_settings import parse_args as finetune_settings  # n
 from llama_scratch.parallel.strategy import Strategy, choose_strategy  # noqa: E402
 from llama_scratch.planning.memory import MemoryPlan, plan_memory  # noqa: E402
 from llama_scratch.training.loop import (  # noqa: E402
-    RESUME_FILE,
     Loop,
     TrainState,
     lr_factor,
@@ -76,6 +75,7 @@ from llama_scratch.training.loop import (  # noqa: E402
     train_epoch,
 )
 from llama_scratch.training.prefix_cache import cache_bytes, cache_splits, distinct_texts, use_cache  # noqa: E402
+from llama_scratch.training.resume_points import RESUME_FILE  # noqa: E402
 from llama_scratch.training.steps import check_enough_data, epoch_plan  # noqa: E402
 
 

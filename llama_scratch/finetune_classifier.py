@@ -49,13 +49,12 @@ from .sources.resolve import (
     resolve_tokenizer,
     trains_from_scratch,
 )
+from .training import resume_points
 from .training.baseline import bag_of_words, warn_if_no_better
 from .training.board import open_board
 from .training.evaluation import evaluate, final_figures, final_line, kept_row, warn_if_one_class
 from .training.interrupts import sigterm_as_ctrl_c
 from .training.loop import (
-    RESUME_DIR,
-    RESUME_FILE,
     TrainingDiverged,
     TrainSettings,
     balanced_weights,
@@ -151,7 +150,8 @@ def choose_model(settings: FinetuneSettings, strategy: Strategy, log) -> ModelCh
         cfg = LlamaConfig.from_hf(ref)
         return choose_dtype(asked, device, cfg.dtype, count_parameters(cfg).backbone, log)
 
-    dtype = strategy.on_main(checkpoint_dtype)  # free memory differs between processes: rank 0 decides
+    # Free memory differs between processes: rank 0 decides, and sends the dtype's name (on_main sends JSON).
+    dtype = getattr(torch, strategy.on_main(lambda: str(checkpoint_dtype()).removeprefix("torch.")))
     refuse_float16(dtype, f"{ref} is stored in float16, and a float32 copy would not fit: it")
     from_scratch = trains_from_scratch(ref)
     train_last = chosen_train_last(settings.recipe.train_last, from_scratch)
@@ -235,7 +235,7 @@ def prepare(settings: FinetuneSettings, progress: Progress) -> tuple[Job, TrainS
     data, parts, protocol = read_data(settings.data, settings.recipe.seed, log)
     progress.phase = "finding the model"
     choice = choose_model(settings, strategy, log)
-    out = output.output or strategy.on_main(lambda: default_output(choice.ref, settings.data.source))
+    out = output.output or Path(strategy.on_main(lambda: str(default_output(choice.ref, settings.data.source))))
     log(f"output: {out}/")
     check_output(out, output.resume, output.overwrite)  # before anything is loaded or written
     job = Job(settings, strategy, started, data, parts, protocol, choice, out)
@@ -317,10 +317,10 @@ def run(settings: FinetuneSettings, progress: Progress | None = None) -> dict:
 def check_resume_point(job: Job, settings: TrainSettings) -> None:
     """--resume: refuse a resume point of another run now, with everything known before the weights load (the
     loop checks again when it reads the point, with the max length as well). Every process gets the point's JSON
-    (strategy.read_resume: rank 0's, or each its part's, agreed on), so all refuse alike, on machines that do not
+    (resume_points.read: rank 0's, or each its part's, agreed on), so all refuse alike, on machines that do not
     share rank 0's disk too. A point of the other kind (sharded or not) is refused by name here too."""
     strategy, out = job.strategy, job.out
-    found = strategy.read_resume(out / RESUME_FILE, out / RESUME_DIR, tensors=False)
+    found = resume_points.read(strategy, out, tensors=False)
     if found is None:
         return
     max_length = job.settings.data.max_length
@@ -374,7 +374,7 @@ def run_identity(job: Job, max_length: int) -> dict:
         "num_classes": data.num_classes,
         "multi_label": data.multi_label,
         "split": job.protocol,
-        **held_out_identity(asked, job.parts),  # None where cut from --data, as in points from before these flags
+        **held_out_identity(asked, job.parts),  # None where cut from --data
         "max_length": max_length,
         "dtype": str(choice.dtype),
         "train_last": "all" if choice.train_last is None else choice.train_last,

@@ -218,8 +218,9 @@ class ComputeSettings:
 
     cache_frozen: str = option(
         "auto",
-        "compute the frozen layers' output once, not every epoch (default: auto, when it fits in a quarter of "
-        "memory and half of what is free)",
+        "compute the frozen layers' output once, not every epoch (default: auto, when it fits in a quarter of the "
+        "device's memory and half of what the model leaves: decided from the data, the model and the device, not "
+        "from what else runs)",
         choices=("auto", "on", "off"),
         on_resume=True,
     )

@@ -9,6 +9,10 @@ each tensor written with just its own bytes.
 
 The file is written like every other (`atomic.write_atomic`: temporary name, fsync, rename), so a crash or a full
 disk mid-save leaves the previous resume point intact and no temporary file behind.
+
+The record carries a schema version (`VERSION`; a point without one is version 1). Reading brings an older point
+up to date one version at a time (`UPGRADES`), so that the loop reads one shape only; a newer one is refused in one
+line naming its version, never half-read.
 """
 
 from __future__ import annotations
@@ -23,7 +27,8 @@ from torch import nn
 from .hf_layout import tensors_to_write, write_safetensors
 from .weights import copy_named_tensors
 
-FORMAT = "llama_scratch resume point v1"
+FORMAT = "llama_scratch resume point v1"  # what kind of file this is; its schema's version is VERSION
+VERSION = 2
 
 # How a changed setting is named in the refusal: a command-line flag where there is one.
 _WHAT = {
@@ -82,6 +87,7 @@ def write_point(path: Path, trained: dict[str, torch.Tensor], optimizer, schedul
     tensors: dict[str, torch.Tensor] = {}
     record = {
         "format": FORMAT,
+        "version": VERSION,
         "trained": _encode(dict(trained), tensors),
         "optimizer": _encode(optimizer.state_dict(), tensors),
         "scheduler": _encode(scheduler.state_dict(), tensors),
@@ -103,9 +109,48 @@ def read_raw(path: Path, tensors: bool = True) -> tuple[dict, dict[str, torch.Te
             record = json.loads((f.metadata() or {}).get("llama_scratch", "null"))
             if not isinstance(record, dict) or record.get("format") != FORMAT:
                 raise ResumeError(f"{path} is not a llama_scratch resume point ({FORMAT})")
+            record = upgrade(record, path)
             return record, ({name: f.get_tensor(name) for name in f.keys()} if tensors else {})  # noqa: SIM118
     except (SafetensorError, OSError, ValueError, KeyError, TypeError, AttributeError) as e:
         raise ResumeError(f"{path} is not a readable resume point: {e}") from None
+
+
+def _from_v1(record: dict) -> None:
+    """Version 1 (no `version` key) to 2: what points written before these fields existed meant by their absence.
+    - settings `select_by`: a point from before --select-by kept the weights of the best accuracy;
+    - identity `multi_label`: a point the command wrote (its identity names the data) from before --multi-label had
+      one label a text (a library caller's identity holds only what it gave, and stays as it is);
+    - state `best_step`: a point from before it evaluated once an epoch, at the epoch's end: the kept weights are
+      those of the last history row of `best_epoch`."""
+    settings, identity, state = (record.get(k) for k in ("settings", "identity", "state"))
+    if isinstance(settings, dict):
+        settings.setdefault("select_by", "accuracy")
+    if isinstance(identity, dict) and "data_digest" in identity:
+        identity.setdefault("multi_label", False)
+    if isinstance(state, dict) and state.get("best_step", -1) == -1 and state.get("best_epoch", -1) != -1:
+        rows = [r for r in state.get("history", []) if isinstance(r, dict) and r.get("epoch") == state["best_epoch"]]
+        if rows and "step" in rows[-1]:
+            state["best_step"] = rows[-1]["step"]
+
+
+# From each version to the next, in place: a point of version v goes through UPGRADES[v], UPGRADES[v + 1], ...
+UPGRADES = {1: _from_v1}
+
+
+def upgrade(record: dict, path: Path) -> dict:
+    """`record` brought to `VERSION`, one step per version; a newer (or malformed) version refused in one line."""
+    version = record.get("version", 1)
+    if type(version) is not int or version < 1:
+        raise ResumeError(f"{path} has a resume point version of {version!r}, not a number this version reads")
+    if version > VERSION:
+        raise ResumeError(
+            f"{path} is a resume point of version {version}, newer than this llama_scratch reads (up to "
+            f"{VERSION}): resume it with the version that wrote it"
+        )
+    for v in range(version, VERSION):
+        UPGRADES[v](record)
+    record["version"] = VERSION
+    return record
 
 
 def decode(record: dict, tensors: dict[str, torch.Tensor], path: Path) -> dict:

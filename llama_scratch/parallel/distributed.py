@@ -171,47 +171,92 @@ def all_sum(values: torch.Tensor) -> torch.Tensor:
     return values
 
 
-def gather_objects(value) -> list:
-    """Every process's `value` (any picklable object), in rank order, on every process."""
-    if not dist.is_initialized():
-        return [value]
-    everyone: list = [None] * dist.get_world_size()
-    dist.all_gather_object(everyone, value)
-    return everyone
-
-
 def on_each_node(make, processes: Processes):
     """`make()` (say, fetching the model) run by rank 0 first, then by the first process of every other node: on a
     shared disk they find rank 0's result, on their own disks they make their own. Every process gets its node's
     answer (torchrun numbers the processes of a node consecutively, so its first is rank - local_rank), or raises
-    its node's error: a process that failed alone would leave the others waiting in a collective for hours."""
+    its node's error: a process that failed alone would leave the others waiting in a collective for hours. The
+    answers travel as JSON (`make` returns a JSON value: a path as a string), the errors as `error_json`."""
 
-    def attempt(go: bool) -> tuple:
+    def attempt(go: bool) -> dict | None:
         try:
-            return (make(), None) if go else (None, None)
+            return {"result": as_json(make())} if go else None
         except Exception as e:  # handed to every process, raised by each
-            return None, e
+            return {"error": error_json(e)}
 
-    result, error = attempt(processes.is_main)
+    mine = attempt(processes.is_main)
     if not processes.several:
-        if error is not None:
-            raise error
-        return result
-    _, first_error = broadcast_object((None, error))
-    if first_error is not None:
-        raise first_error
+        return raise_sent(mine)
+    first = broadcast_json(mine if processes.is_main else None)
+    if "error" in first:
+        raise_sent(first)
     if not processes.is_main:
-        result, error = attempt(processes.local_rank == 0)
-    result, error = gather_objects((result, error))[processes.rank - processes.local_rank]
-    if error is not None:
-        raise error
-    return result
+        mine = attempt(processes.local_rank == 0)
+    return raise_sent(all_gather_json(mine)[processes.rank - processes.local_rank])
+
+
+def as_json(value):
+    """`value` as JSON gives it back (a tuple becomes a list), or a TypeError naming what JSON cannot hold: what
+    one process sends another is JSON, never a pickle, and a process alone returns what several would."""
+    return json.loads(json.dumps(value))
+
+
+def error_json(error: Exception) -> dict:
+    """An exception as JSON: its class's module and name, and its message (`raise_sent` rebuilds it)."""
+    kind = type(error)
+    return {"module": kind.__module__, "name": kind.__qualname__, "message": str(error)}
+
+
+def raise_sent(sent: dict | None):
+    """`sent`'s result (`{"result": ...}`), or its error (`{"error": error_json(e)}`) raised as an exception of the
+    same class, found among the exception classes this process has imported (it is never imported for the
+    message's sake) and made from the message alone: a process that got rank 0's error prints the line rank 0
+    prints. A class it cannot find or make from a message is raised as a RuntimeError naming it."""
+    if sent is None or "error" not in sent:
+        return None if sent is None else sent["result"]
+    error = sent["error"]
+    kind = _exception_class(error["module"], error["name"])
+    try:
+        made = kind(error["message"]) if kind is not None else None
+    except Exception:  # noqa: BLE001 -- a class whose constructor wants more than a message
+        made = None
+    if not isinstance(made, Exception):
+        made = RuntimeError(f"{error['module']}.{error['name']}: {error['message']}")
+    raise made
+
+
+def _exception_class(module: str, name: str) -> type[Exception] | None:
+    """The already imported subclass of Exception of this module and name, or None."""
+    todo, seen = [Exception], set()
+    while todo:
+        kind = todo.pop()
+        if kind.__module__ == module and kind.__qualname__ == name:
+            return kind
+        for sub in kind.__subclasses__():
+            if sub not in seen:
+                seen.add(sub)
+                todo.append(sub)
+    return None
 
 
 def smallest(value: int) -> int:
     """The smallest of every process's `value`, on every process: for a decision all must take alike (say, whether
-    there is memory to spare), since a process that decides otherwise would wait in a collective the others skip."""
-    return min(gather_objects(value))
+    there is memory to spare), since a process that decides otherwise would wait in a collective the others skip.
+    One integer, reduced on the host group."""
+    return _host_reduce(value, dist.ReduceOp.MIN)
+
+
+def largest(value: int) -> int:
+    """The largest of every process's `value`, on every process (say, the most batches any process runs)."""
+    return _host_reduce(value, dist.ReduceOp.MAX)
+
+
+def _host_reduce(value: int, op) -> int:
+    if not dist.is_initialized():
+        return value
+    box = torch.tensor([value], dtype=torch.int64)
+    dist.all_reduce(box, op=op, group=host_group())
+    return int(box)
 
 
 def barrier() -> None:
@@ -229,7 +274,7 @@ def all_gather_rows(
     a process holds its own rows and pack besides everyone's packs: about (1 + 2 / processes) x the result.
     """
     lengths = [r.shape[0] for r in rows]
-    everyone = gather_objects((indices, lengths))
+    everyone = all_gather_json([indices, lengths])  # a few ints a row: JSON on the host group
     pack = torch.zeros(max(sum(n) for _, n in everyone), width, dtype=dtype, device=device)
     if rows:
         pack[: sum(lengths)] = torch.cat(rows)
@@ -240,15 +285,6 @@ def all_gather_rows(
         pieces = their_pack[: sum(their_lengths)].split(their_lengths)
         out.update(zip(their_indices, pieces, strict=True))
     return out
-
-
-def broadcast_object(obj):
-    """Rank 0's value of a picklable object, on every rank (e.g. a path decided on rank 0)."""
-    if not dist.is_initialized():
-        return obj
-    box = [obj]
-    dist.broadcast_object_list(box, src=0)
-    return box[0]
 
 
 def broadcast_parameters(params: list[torch.Tensor]) -> None:
@@ -289,6 +325,23 @@ def broadcast_json(value=None):
         payload.copy_(torch.frombuffer(bytearray(data), dtype=torch.uint8))
     dist.broadcast(payload, src=0, group=host_group())
     return json.loads(payload.numpy().tobytes())
+
+
+def all_gather_json(value) -> list:
+    """Every process's `value` (anything JSON holds), in rank order, on every process: each sends its UTF-8 bytes
+    over the host group, padded to the longest (the lengths gathered first), so nothing is unpickled."""
+    if not dist.is_initialized():
+        return [as_json(value)]
+    data = json.dumps(value).encode()
+    sizes = [torch.zeros(1, dtype=torch.int64) for _ in range(dist.get_world_size())]
+    dist.all_gather(sizes, torch.tensor([len(data)], dtype=torch.int64), group=host_group())
+    longest = max(int(n) for n in sizes)
+    mine = torch.zeros(longest, dtype=torch.uint8)
+    if data:
+        mine[: len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+    everyone = [torch.empty(longest, dtype=torch.uint8) for _ in sizes]
+    dist.all_gather(everyone, mine, group=host_group())
+    return [json.loads(t[: int(n)].numpy().tobytes()) for t, n in zip(everyone, sizes, strict=True)]
 
 
 def broadcast_tensors(tensors: dict[str, torch.Tensor] | None) -> dict[str, torch.Tensor]:

@@ -19,8 +19,6 @@ import contextlib
 import dataclasses
 import json
 import math
-import re
-import shutil
 import sys
 import time
 from collections.abc import Callable
@@ -32,10 +30,8 @@ import torch.distributed as dist
 from safetensors import safe_open
 from torch import nn
 
-from ..checkpoints.atomic import write_text_atomic
 from ..checkpoints.hf_layout import TensorInfo, TensorToWrite, find_checkpoint_files, read_into, write_safetensors
 from ..checkpoints.progress import progress_bar
-from ..checkpoints.resume import ResumeError
 from ..checkpoints.weights import CheckpointError, LoadReport, match_tensors
 from ..model.classifier import LlamaClassifier, new_head
 from ..model.config import LlamaConfig
@@ -352,7 +348,7 @@ def distinct(named: dict[str, torch.Tensor], processes: Processes) -> dict[str, 
                 keep.append(name)
                 seen.add(key)
     if processes.several:
-        keep = distributed.broadcast_object(keep)
+        keep = distributed.broadcast_json(keep)
     return {name: named[name] for name in keep}
 
 
@@ -362,103 +358,13 @@ def read_from_main(named: dict[str, torch.Tensor], path: Path, processes: Proces
     main = processes.is_main
     with safe_open(path, framework="pt") if main else contextlib.nullcontext() as f:
         stored = set(f.keys()) if main else set()
-        missing = distributed.broadcast_object([n for n in named if n not in stored] if main else None)
+        missing = distributed.broadcast_json([n for n in named if n not in stored] if main else None)
         if missing:  # every process raises alike, none waits in a collective
             raise CheckpointError(f"{path} lacks {', '.join(missing[:5])}")
         scatter_from_main(named, f.get_tensor if main else None, processes)
 
 
-# --- resume points: each process writes its own part ----------------------------------------------------------
-
-
-def part_name(processes: Processes) -> str:
-    return f"rank-{processes.rank:05d}-of-{processes.world_size:05d}.safetensors"
-
-
-def write_parts(directory: Path, processes: Processes, write_part) -> None:
-    """A sharded resume point: every process's part (`write_part(file)`) in a new numbered directory inside
-    `directory`; once all have written, rank 0 names it in `directory/current` (one atomic file replace) and removes
-    the older ones. A kill at any moment leaves `current` naming a complete point, never a mix of steps."""
-    new = None
-    if processes.is_main:
-        directory.mkdir(parents=True, exist_ok=True)
-        done = [int(d.name.removeprefix("point-")) for d in directory.iterdir() if POINT.fullmatch(d.name)]
-        new = directory / f"point-{max(done, default=0) + 1:08d}"
-        new.mkdir()
-    new = directory / distributed.broadcast_json(None if new is None else new.name)  # in this process's `directory`
-    new.mkdir(parents=True, exist_ok=True)  # a machine that does not share rank 0's disk
-    write_part(new / part_name(processes))
-    distributed.barrier()
-    # Rank 0 alone counts, and its count is everyone's: processes counting each on its own can disagree (NFS caches
-    # directory listings), and those that raised would leave the others waiting. By name: NFS asks the server.
-    parts = [new / part_name(Processes(r, world_size=processes.world_size)) for r in range(processes.world_size)]
-    missing = distributed.host_sum([sum(not f.is_file() for f in parts) if processes.is_main else 0])[0]
-    if missing:  # every process raises alike
-        raise ResumeError(
-            f"{new} lacks {missing} of the {processes.world_size} processes' parts: a sharded run's --output must "
-            "be on a disk that every machine sees"
-        )
-    if processes.is_main:
-        write_text_atomic(directory / CURRENT, new.name + "\n")
-        for old in directory.iterdir():
-            if POINT.fullmatch(old.name) and old != new:
-                shutil.rmtree(old)
-    distributed.barrier()
-
-
-PART = re.compile(r"rank-\d{5}-of-\d{5}\.safetensors")
-# A part, or one being written (atomic.write_atomic's temporary, which a process killed mid-save leaves behind).
-PART_OR_TEMP = re.compile(rf"{PART.pattern}|\.{PART.pattern}\.\d+\.tmp")
-POINT = re.compile(r"point-\d{8}")
-CURRENT = "current"
-
-
-def is_resume_dir(directory: Path) -> bool:
-    """A directory `write_parts` wrote: `current`, numbered points holding parts, and atomic writes' temporaries
-    (of `current`, and of parts in a point whose save was cut short: the next save removes that point)."""
-    for entry in directory.iterdir():
-        if entry.is_symlink():
-            return False
-        if POINT.fullmatch(entry.name) and entry.is_dir():
-            if not all(PART_OR_TEMP.fullmatch(f.name) and f.is_file() for f in entry.iterdir()):
-                return False
-        elif not (entry.is_file() and re.fullmatch(rf"{CURRENT}|\.{CURRENT}\.\d+\.tmp", entry.name)):
-            return False
-    return True
-
-
-def resume_location(single: Path, parts: Path, sharded: bool, resuming: bool) -> Path:
-    """Where this run keeps its resume point: one file, or a directory of parts when `sharded`. Resuming, a point
-    of the other kind is refused by name (it would otherwise be ignored and the run would start over)."""
-    mine, other = (parts, single) if sharded else (single, parts)
-    if resuming and not mine.exists() and other.exists():
-        if other is single:
-            raise ResumeError(f"{other} was saved by a run without --shard: resume it without --shard")
-        point = (parts / CURRENT).read_text().strip() if (parts / CURRENT).is_file() else ""
-        n = len([f for f in (parts / point).iterdir() if PART.fullmatch(f.name)]) if POINT.fullmatch(point) else 0
-        raise ResumeError(
-            f"{other} was saved by a sharded run of {n or 'several'} processes: resume it with --shard "
-            f"under torchrun with {n or 'as many'} processes"
-        )
-    return mine
-
-
-def part_path(directory: Path, processes: Processes) -> Path:
-    """This process's part of the complete resume point in `directory` (a path that does not exist when no save
-    was completed); a clear error when it was saved by another number of processes (resume with the same)."""
-    current = directory / CURRENT
-    name = current.read_text().strip() if current.is_file() else ""
-    if not POINT.fullmatch(name) or not (directory / name).is_dir():
-        return directory / "no-complete-point"
-    mine = directory / name / part_name(processes)
-    saved = sorted(f.name for f in (directory / name).iterdir() if PART.fullmatch(f.name))
-    if not mine.exists():
-        n = saved[0].split("-of-")[1].split(".")[0].lstrip("0") if saved else "no"
-        raise ResumeError(
-            f"{directory} was saved by {n} processes, this run has {processes.world_size}: resume a sharded "
-            "run with the same number of processes"
-        )
-    return mine
+# --- resume points: each process's part read back (where a point lives: training/resume_points.py) ------------
 
 
 def as_sharded(record: dict, model: nn.Module, optimizer) -> None:

@@ -1,7 +1,7 @@
 """How the processes share a run, decided once at start-up: the object the rest of the package asks.
 
-The loop, evaluation, saving, the best weights' reload, the frozen-prefix cache and resume points differ between
-one process, DDP and FSDP2. Instead of each asking "sharded? how many processes? am I rank 0?", the command
+The loop, evaluation, saving, the best weights' reload and the frozen-prefix cache differ between one process, DDP
+and FSDP2. Instead of each asking "sharded? how many processes? am I rank 0?", the command
 chooses a strategy once (`choose_strategy`) and passes it where those decisions are made:
 
 - `Replicated`: 1..N processes, each holding a whole replica of the model (DistributedDataParallel when N > 1).
@@ -10,7 +10,9 @@ chooses a strategy once (`choose_strategy`) and passes it where those decisions 
   and optimizer moment, over the device mesh the strategy holds.
 
 What both share (logging on rank 0, rank 0 deciding for everyone, sums and exchanges across processes) is in
-`Strategy`; what differs is a method each of the two defines. Lightning Fabric's strategies and torchtitan's
+`Strategy`; what differs is a method each of the two defines. It is about processes only: what a resume point is
+and who reads and writes it is training/resume_points.py's, which uses the collectives here. Between processes
+travel tensors and JSON, never a pickle. Lightning Fabric's strategies and torchtitan's
 ParallelDims are the same idea at a larger scale; this is the part this project needs, and no more.
 """
 
@@ -27,15 +29,12 @@ from typing import TYPE_CHECKING, TypeVar
 import torch
 from torch import nn
 
-from ..checkpoints import resume
-from ..checkpoints.resume import ResumeError
 from ..checkpoints.weights import copy_named_file, save_weights
 from ..model.classifier import LlamaClassifier, full_precision_blocks
 from ..model.lora import LoRASettings
 from ..sources.resolve import config_of, load_model
 from . import distributed, sharding
 from .distributed import Processes, teardown, unwrap
-from .sharding import is_resume_dir
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
@@ -46,8 +45,8 @@ __all__ = [
     "Replicated",
     "Sharded",
     "Strategy",
+    "Vote",
     "choose_strategy",
-    "is_resume_dir",
     "optimizer_kernels",
     "teardown",
     "unwrap",
@@ -69,9 +68,9 @@ def choose_strategy(device: str | None = None, shard: bool = False, shard_group:
 
 def optimizer_kernels(params: list[torch.Tensor]) -> dict[str, bool | None]:
     """AdamW's `fused` and `foreach` arguments for these parameters. The fused kernel on GPUs and CPUs: no
-    temporaries (foreach briefly copies the state: 15 GB for all of 8B), and fast (the default job's step on 2 CPU
-    cores: 2.1 ms, 17 ms a tensor at a time). Sharded parameters (DTensors) take the multi-tensor (foreach) kernel:
-    the fused one gathered them whole in our simulation (127 GiB a process, 8B on 8), while DTensor runs each
+    temporaries (foreach briefly copies the optimizer state), and several times faster than a tensor at a time
+    (benchmarks/RESULTS.md). Sharded parameters (DTensors) take the multi-tensor (foreach) kernel: the fused one
+    gathered them whole in our simulation (benchmarks/simulate_scale.py, RESULTS.md), while DTensor runs each
     foreach op on the local shards (torch >= 2.4, all of them on one mesh, as sharding.shard_model puts them), a
     few launches per group instead of a few per tensor; its temporaries, one copy of this process's share of the
     second moments (sqrt(v)), are in the plan (planning/memory.optimizer_bytes). Explicit, not None: torch
@@ -83,6 +82,22 @@ def optimizer_kernels(params: list[torch.Tensor]) -> dict[str, bool | None]:
     sharded = any(sharding.is_dtensor(p) for p in params)
     fused = (bool(params) and all(p.device.type in ("cuda", "cpu") for p in params) and not sharded) or None
     return {"fused": fused, "foreach": True if sharded else None}
+
+
+@dataclass(frozen=True)
+class Vote:
+    """How many of the processes (`of`) raised a flag (`count`): what a decision that all must take alike reads."""
+
+    count: int
+    of: int
+
+    @property
+    def everyone(self) -> bool:
+        return self.count == self.of
+
+    @property
+    def nobody(self) -> bool:
+        return self.count == 0
 
 
 @dataclass(frozen=True)
@@ -114,19 +129,21 @@ class Strategy(ABC):
     def on_main(self, fn: Callable[[], T]) -> T:
         """`fn()` run by rank 0 alone; every process returns its result or raises its error. For what must be
         decided once (a path, a dtype when free memory differs, a run id) and for files rank 0 alone reads or
-        writes: a process that failed alone would leave the others waiting in the next collective for hours."""
+        writes: a process that failed alone would leave the others waiting in the next collective for hours.
+        The result travels as JSON (a path as a string, a dtype by its name: the caller converts), the error as
+        its class and message (distributed.raise_sent); alone too, so that one process returns what several do."""
         if not self.processes.several:
-            return fn()
-        result, error = None, None
+            return distributed.as_json(fn())
+        sent, error = None, None
         if self.is_main:
             try:
-                result = fn()
+                sent = {"result": distributed.as_json(fn())}
             except Exception as e:  # handed to every process, raised by each
-                error = e
-        result, error = distributed.broadcast_object((result, error))
+                sent, error = {"error": distributed.error_json(e)}, e
+        sent = distributed.broadcast_json(sent)
         if error is not None:
-            raise error
-        return result
+            raise error  # rank 0's own, with its traceback
+        return distributed.raise_sent(sent)
 
     def on_each_node(self, make: Callable[[], T]) -> T:
         """`make()` (say, fetching the model) on rank 0, then on the first process of every other node, which may
@@ -141,6 +158,22 @@ class Strategy(ABC):
     def all_sum(self, values: torch.Tensor) -> torch.Tensor:
         """Element-wise sum over the processes (the values themselves alone)."""
         return distributed.all_sum(values) if self.processes.several else values
+
+    def host_sum(self, values: list[int]) -> list[int]:
+        """Element-wise sums of a few integers over the processes, on the host (a vote: how many processes found
+        a file, or failed); alone, `values` themselves."""
+        return distributed.host_sum(values) if self.processes.several else list(values)
+
+    def vote(self, *flags: bool) -> list[Vote]:
+        """For each flag, how many processes raised it (one sum on the host): so that every process, having looked
+        at what it alone sees (a file on its disk), takes the same decision. Alone: each flag's own count, of 1."""
+        counts = self.host_sum([int(bool(f)) for f in flags])
+        return [Vote(n, self.processes.world_size) for n in counts]
+
+    def tensors_from_main(self, tensors: dict[str, torch.Tensor] | None) -> dict[str, torch.Tensor]:
+        """Rank 0's named CPU tensors (None elsewhere) on every process, each tensor's bytes broadcast over the host
+        group (distributed.broadcast_tensors)."""
+        return distributed.broadcast_tensors(tensors) if self.processes.several else dict(tensors or {})
 
     def stop_agreed(self, asked: bool) -> bool:
         """Whether any process was asked to stop (Ctrl-C, SIGTERM: `asked` is this one's), on every process alike:
@@ -165,6 +198,11 @@ class Strategy(ABC):
         if not self.processes.several:
             return dict(zip(indices, rows, strict=True))
         return distributed.all_gather_rows(indices, rows, width, dtype, self.device)
+
+    def held_bytes(self, module: nn.Module) -> int:
+        """Bytes of `module`'s parameters and buffers this process holds (its rows of a sharded one)."""
+        tensors = [*module.parameters(), *module.buffers()]
+        return sum(sharding.local(t).numel() * t.element_size() for t in tensors)
 
     def per_process(self, words: str) -> str:
         """`words` when several processes run, nothing alone: for a log line whose figure each process holds."""
@@ -231,24 +269,11 @@ class Strategy(ABC):
         """`named` (parameters of `model`) set to rank 0's file `path`, which the other processes need not see
         (several machines, no shared disk): rank 0 reads, every process receives. Every process calls it."""
 
+    @property
     @abstractmethod
-    def resume_location(self, single: Path, parts: Path, resuming: bool) -> Path:
-        """Where this run keeps its resume point: the file `single`, or the directory `parts` of one part per
-        process. Resuming, a point of the other kind is refused by name (sharding.resume_location)."""
-
-    @abstractmethod
-    def read_resume(self, single: Path, parts: Path, tensors: bool = True) -> tuple[Path, dict] | None:
-        """--resume: the point this run continues from, as (the file read, resume.read_point's record: only its JSON
-        without `tensors`), or None when none was saved; alike on every process, which need not see rank 0's disk.
-        A point of the other kind is refused by name (resume_location). Every process calls it."""
-
-    @abstractmethod
-    def resume_part(self, where: Path) -> Path:
-        """The file this process reads from the resume point at `where` (it may not exist: nothing was saved)."""
-
-    @abstractmethod
-    def save_point(self, where: Path, write: Callable[[Path], None]) -> None:
-        """A resume point at `where`, written by `write(file)`. Every process calls it."""
+    def state_per_process(self) -> bool:
+        """Whether each process holds only its own part of the trained state (its rows), and so saves and reads
+        its own part of a resume point (training/resume_points.py); False: every process holds all of it."""
 
     @abstractmethod
     def as_resumed(self, record: dict, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
@@ -320,48 +345,9 @@ class Replicated(Strategy):
         if self.processes.several:
             distributed.broadcast_parameters(list(named.values()))
 
-    def resume_location(self, single: Path, parts: Path, resuming: bool) -> Path:
-        return sharding.resume_location(single, parts, sharded=False, resuming=resuming)
-
-    def resume_part(self, where: Path) -> Path:
-        return where  # one file, written by rank 0, read by rank 0 (read_resume)
-
-    def read_resume(self, single: Path, parts: Path, tensors: bool = True) -> tuple[Path, dict] | None:
-        """Rank 0 alone looks and reads (the other processes may be on machines that do not see its disk, where
-        only rank 0 wrote), then sends what it found: the record as JSON bytes, the tensors by broadcast, never a
-        pickle. Rank 0's refusal is every process's."""
-
-        def look() -> tuple[Path, dict, dict[str, torch.Tensor]] | None:
-            where = self.resume_location(single, parts, resuming=True)
-            return (where, *resume.read_raw(where, tensors)) if where.is_file() else None
-
-        found = look() if not self.processes.several else self._sent_from_main(look)
-        if found is None:
-            return None
-        where, record, named = found
-        return where, resume.decode(record, named, where) if tensors else record
-
-    def _sent_from_main(self, look: Callable[[], tuple | None]) -> tuple | None:
-        """`look()`'s (path, JSON record, tensors) or None, run on rank 0 and sent to every process (its error too)."""
-        found, error, head = None, None, None
-        if self.is_main:
-            try:
-                found = look()
-                head = None if found is None else {"where": str(found[0]), "record": found[1]}
-            except Exception as e:  # noqa: BLE001 -- told to every process, which each raise it
-                error, head = e, {"error": str(e)}
-        head = distributed.broadcast_json(head)
-        if error is not None:
-            raise error
-        if head is not None and "error" in head:
-            raise ResumeError(head["error"])
-        if head is None:
-            return None
-        return Path(head["where"]), head["record"], distributed.broadcast_tensors(found[2] if found else None)
-
-    def save_point(self, where: Path, write: Callable[[Path], None]) -> None:
-        if self.is_main:  # the replicas are equal: rank 0's is the run's
-            write(where)
+    @property
+    def state_per_process(self) -> bool:
+        return False  # every replica holds the whole state: rank 0's is the run's
 
     def as_resumed(self, record: dict, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
         pass  # the saved tensors are whole, as the parameters are
@@ -429,7 +415,7 @@ class Sharded(Strategy):
     def batches_to_match(self, mine: int) -> int:
         """Each block's forward gathers the block from every process, so one that stopped early would leave the
         others waiting: every process runs as many batches as the busiest."""
-        return max(distributed.gather_objects(mine)) - mine
+        return distributed.largest(mine) - mine
 
     def save_trained(self, named: dict[str, torch.Tensor], path: Path, metadata: dict | None = None) -> None:
         """Gathered one tensor at a time, written by rank 0 (sharding.save_gathered)."""
@@ -439,39 +425,9 @@ class Sharded(Strategy):
         """Rank 0 reads one tensor at a time and sends it; every process keeps its rows (sharding.read_from_main)."""
         sharding.read_from_main(named, path, self.processes)
 
-    def resume_location(self, single: Path, parts: Path, resuming: bool) -> Path:
-        return sharding.resume_location(single, parts, sharded=True, resuming=resuming)
-
-    def resume_part(self, where: Path) -> Path:
-        """This process's part of the complete point (sharding.part_path)."""
-        return sharding.part_path(where, self.processes) if where.exists() else where
-
-    def read_resume(self, single: Path, parts: Path, tensors: bool = True) -> tuple[Path, dict] | None:
-        """Each process reads its own part (no process holds the others' rows), then one vote: all found theirs,
-        all found none, or all failed alike (say, a point of another number of processes), or every process
-        refuses in the same line: the processes do not see the same files."""
-        found, error = None, None
-        try:
-            where = self.resume_location(single, parts, resuming=True)
-            part = self.resume_part(where)
-            found = (part, resume.read_point(part, tensors)) if part.is_file() else None
-        except ResumeError as e:
-            error = e
-        failed, seen = distributed.host_sum([error is not None, found is not None])
-        n = self.processes.world_size
-        if failed == n and error is not None:
-            raise error
-        if failed == 0 and seen in (0, n):
-            return found
-        raise ResumeError(
-            f"{parts}: {seen} of {n} processes found their part of the resume point, {failed} could not read it and "
-            f"{n - seen - failed} found none: under --shard each process reads its own part, so --output must be "
-            "on a disk that every machine sees"
-        )
-
-    def save_point(self, where: Path, write: Callable[[Path], None]) -> None:
-        """Every process writes its rows (sharding.write_parts: a numbered point, named once complete)."""
-        sharding.write_parts(where, self.processes, write)
+    @property
+    def state_per_process(self) -> bool:
+        return True  # no process holds the others' rows
 
     def as_resumed(self, record: dict, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
         """Each process's saved rows made DTensors like the parameters again (sharding.as_sharded)."""

@@ -22,7 +22,7 @@ from ..checkpoints.progress import progress_bar
 from ..data.batching import TokenizedSplit, forward, to_batch
 from ..model.packing import to_device
 from ..parallel.strategy import Replicated, Strategy, optimizer_kernels, unwrap
-from . import objective
+from . import objective, resume_points
 from .evaluation import evaluate, history_line, label_sets, selection_key
 from .interrupts import interrupts_deferred, stops_noted
 from .optim import MasterWeightAdamW
@@ -186,9 +186,6 @@ def check_same_run(
     now = {**asdict(settings), **identity}
     for changeable in ("save_every",):  # how often to save may change between the two halves of a run
         saved.pop(changeable, None), now.pop(changeable, None)
-    saved.setdefault("select_by", "accuracy")  # a point from before --select-by selected by accuracy
-    if "multi_label" in now:  # the command's identity has it; a point from before --multi-label had one label a text
-        saved.setdefault("multi_label", False)
     if partial:
         now = {k: v for k, v in now.items() if k not in unknown}
         saved = {k: v for k, v in saved.items() if k in now}
@@ -207,7 +204,7 @@ def load_resume_point(
 ) -> TrainState:
     """Continue from `path`, refusing (by name) any setting, data or model that differs from the saved run's.
     `strategy` makes the saved tensors like the parameters (a sharded process's rows: DTensors again); the
-    default, one process, takes them whole as saved. `record`: the point already read (Strategy.read_resume,
+    default, one process, takes them whole as saved. `record`: the point already read (resume_points.read,
     which under several processes is how those that do not see `path` get it); read from `path` when None."""
     strategy = strategy or Replicated()
     record = resume.read_point(path) if record is None else record
@@ -229,9 +226,6 @@ def load_resume_point(
 
 
 # ---------------------------------------------------------------------------------------------- the loop
-
-RESUME_FILE = "resume.safetensors"
-RESUME_DIR = "resume.sharded"  # under --shard: one part per process (sharding.write_parts)
 
 
 def class_weight(s: TrainSettings, device: torch.device) -> torch.Tensor | None:
@@ -368,9 +362,9 @@ class Loop:
         self.stop_if_asked(saved=True)
 
     def save_point(self, state: TrainState) -> None:
-        """Called by every process: sharded, each writes its rows; replicated, rank 0 writes."""
+        """Called by every process: sharded, each writes its rows; replicated, rank 0 writes (resume_points.save)."""
         parts = (self.model, self.optimizer, self.scheduler, state, self.s, self.identity)
-        self.strategy.save_point(self.resume_path, lambda file: save_resume_point(file, *parts))
+        resume_points.save(self.strategy, self.resume_path, lambda file: save_resume_point(file, *parts))
 
     def stop_if_asked(self, saved: bool = False) -> None:
         """At a step's end: every process stops here (StopAgreed) when any was asked to (one vote on the host)."""
@@ -453,8 +447,6 @@ def patience_spent(state: TrainState, s: TrainSettings) -> bool:
     """Whether the last `patience` evaluations (each epoch's end, and every `eval_every` steps) all failed to
     beat the kept one."""
     since = sum(r["step"] > state.best_step for r in state.history)
-    if state.best_step < 0:  # a resume point from before best_step: one evaluation an epoch then
-        since = state.epoch - state.best_epoch
     return bool(s.patience) and state.best_epoch >= 0 and since >= s.patience
 
 
@@ -491,12 +483,12 @@ def train(
     optimizer = make_optimizer(model, s)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: lr_factor(step, total, s))
     identity = {"world_size": strategy.processes.world_size, **(run_identity or {})}
-    where = strategy.resume_location(out_dir / RESUME_FILE, out_dir / RESUME_DIR, resuming=False)
+    where = resume_points.location(strategy, out_dir, resuming=False)
     loop = Loop(model, optimizer, scheduler, s, strategy, total, where, identity)
     loop.val, loop.on_best, loop.log, loop.on_row = splits["val"], on_best, log, on_row
     state = TrainState()
     # Alike on every process, which need not share rank 0's disk (rank 0 reads and sends, or all agree).
-    found = strategy.read_resume(out_dir / RESUME_FILE, out_dir / RESUME_DIR) if resume else None
+    found = resume_points.read(strategy, out_dir) if resume else None
     if found is not None:
         state = load_resume_point(found[0], model, optimizer, scheduler, s, identity, strategy, record=found[1])
         log(f"resuming from {loop.resume_path}: epoch {state.epoch + 1}, step {state.step}")

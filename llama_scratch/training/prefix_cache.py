@@ -18,7 +18,7 @@ from ..model.classifier import LlamaClassifier
 from ..model.layout import Layout
 from ..model.packing import pack_ids, to_device
 from ..parallel.strategy import Replicated, Strategy
-from ..sources.devices import free_memory, memory_budget
+from ..sources.devices import memory_budget
 
 
 def distinct_texts(token_lists: Iterable[list[int]]) -> dict[tuple[int, ...], int]:
@@ -50,7 +50,7 @@ def compute_frozen_states(
 
     Texts go through in batches sorted by length, right-padded (which keeps each row's real positions identical to
     running it alone: causal attention never looks ahead) or packed without padding (`packed`, packing.py). Sorted
-    batches carry little padding, so packing gains less here (1.09x, benchmarks/RESULTS.md); `cache_splits` packs.
+    batches carry little padding, so packing gains less here (benchmarks/RESULTS.md); `cache_splits` packs.
     Several processes (DDP or --shard: `strategy`, one process without) each compute every N-th text and then
     exchange them: all end up with every text, since the training loop deals the rows out afresh every epoch
     (train.epoch_batches) and evaluation deals out each split by length. Sharded, each frozen block's forward
@@ -85,7 +85,11 @@ def compute_frozen_states(
 
 
 def use_cache(choice: str, clf: LlamaClassifier, ids: dict[str, list[list[int]]], strategy: Strategy, log) -> bool:
-    """Whether to cache the frozen layers' output: there must be frozen blocks, and (auto) room to keep it.
+    """Whether to cache the frozen layers' output: there must be frozen blocks, and (auto) room to keep it: at most a
+    quarter of the device's memory, and half of what the model's own weights leave of it. Decided from the data, the
+    model and the device's size, never from what is free at this moment: the same command and seed must cache, or
+    not, whatever else runs, since the cached and uncached runs round differently (the frozen blocks run over other
+    batches) and so end a few float32 roundings apart. The log says which was chosen.
 
     With several processes (DDP or --shard) every process must decide alike (computing the cache is collective), so
     the tightest one decides. Each process keeps every text's states (see `compute_frozen_states`), so the size
@@ -96,11 +100,12 @@ def use_cache(choice: str, clf: LlamaClassifier, ids: dict[str, list[list[int]]]
     size = cache_bytes(list(distinct_texts(itertools.chain(*ids.values()))), clf)  # each distinct text once
     if choice == "auto":
         device = strategy.device
-        room = min(memory_budget(device), free_memory(device) // 2)  # the rest is for training itself
+        left = memory_budget(device, fraction=1.0) - strategy.held_bytes(clf)  # the rest is for training itself
+        room = min(memory_budget(device), left // 2)
         if size > strategy.least_room(room):
             log(
                 f"not caching the frozen layers: {size / 2**30:.1f} GiB exceeds a quarter of the device's memory "
-                "or half of what is free (--cache-frozen on to insist)"
+                "or half of what the model leaves (--cache-frozen on to insist)"
             )
             return False
     each = strategy.per_process(" in each process")
@@ -114,7 +119,7 @@ def cache_splits(
     """The same splits, each text carrying its frozen-prefix output (the training loop then runs only the rest).
 
     Every distinct text runs once, whichever splits hold it, and its copies share one tensor: labelled data often
-    repeats itself (the SMS collection's book split holds 1,494 texts, 1,390 distinct: 10% of the tokens).
+    repeats itself (the bundled SMS collection does: benchmarks/RESULTS.md counts its distinct texts).
     """
     distinct = distinct_texts(itertools.chain(*(split.ids for split in splits.values())))
     pad_id = next(iter(splits.values())).pad_id

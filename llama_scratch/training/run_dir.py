@@ -30,9 +30,9 @@ from pathlib import Path
 from ..checkpoints.atomic import write_atomic, write_text_atomic
 from ..checkpoints.run_record import RECORD_FILE, RUN_MARKER, WEIGHTS_FILE, RunRecord, write_record
 from ..checkpoints.versions import upgraded, versioned
-from ..parallel.strategy import Strategy, is_resume_dir
+from ..parallel.strategy import Strategy
 from .evaluation import accuracy_name, per_step
-from .loop import RESUME_DIR, RESUME_FILE
+from .resume_points import RESUME_DIR, RESUME_FILE, is_resume_dir
 
 RUNS_DIR = Path("runs")  # where runs go when --output is not given
 BEST_FILE = "best.safetensors"  # the best trained weights so far, while the run trains

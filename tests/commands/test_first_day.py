@@ -269,17 +269,18 @@ def test_each_node_makes_the_model_local_once(monkeypatch):
             made.append(rank)
             return node_paths[rank]
 
-        # What the collectives return: rank 0's outcome first, then every process's outcome in rank order.
-        monkeypatch.setattr(distributed, "broadcast_object", lambda obj: (node_paths[0], None))
-        outcomes = [(node_paths.get(r), None) for r in range(4)]
-        monkeypatch.setattr(distributed, "gather_objects", lambda obj, o=outcomes: o)
+        # What the collectives return (JSON): rank 0's outcome first, then every process's outcome in rank order.
+        monkeypatch.setattr(distributed, "broadcast_json", lambda value: {"result": node_paths[0]})
+        outcomes = [{"result": node_paths[r]} if r in node_paths else None for r in range(4)]
+        monkeypatch.setattr(distributed, "all_gather_json", lambda value, o=outcomes: o)
         assert on_each_node(make, env) == node_paths[rank - rank % 2]
         assert made == ([rank] if rank % 2 == 0 else [])
 
     def fail():
         raise FileNotFoundError("weights/m: no such file or directory")
 
-    monkeypatch.setattr(distributed, "broadcast_object", lambda obj: (None, FileNotFoundError("weights/m: gone")))
+    gone = {"error": distributed.error_json(FileNotFoundError("weights/m: gone"))}  # rank 0's, as JSON
+    monkeypatch.setattr(distributed, "broadcast_json", lambda value: gone)
     with pytest.raises(FileNotFoundError, match="gone"):
         on_each_node(lambda: "never made", Processes(rank=3, local_rank=1, world_size=4))
     with pytest.raises(FileNotFoundError, match="no such file"):

@@ -5,12 +5,20 @@ import os
 import subprocess
 import sys
 import textwrap
+from pathlib import Path
+
+REPO = str(Path(__file__).resolve().parents[1])
 
 
 def run_on_two_processes(script: str, path, timeout: float = 300) -> None:
     """Run `script` under torchrun with two CPU processes; each prints 'rank N ok' when its checks pass."""
     path.write_text(script)
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    # The script lies outside the checkout: PYTHONPATH makes it import this checkout's package, not an installed one.
+    env = {
+        **os.environ,
+        "OMP_NUM_THREADS": "1",
+        "PYTHONPATH": os.pathsep.join([REPO, os.environ.get("PYTHONPATH", "")]),
+    }
     run = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", str(path)]
     result = subprocess.run(run, capture_output=True, text=True, env=env, timeout=timeout)
     assert result.returncode == 0, result.stderr[-3000:]
@@ -90,9 +98,9 @@ CACHE_SCRIPT = textwrap.dedent(
     assert len(one) == 1 and torch.allclose(one[0], alone[0], atol=1e-5)
     # Whether to cache is one decision for all: with room on rank 0 only, neither caches (else a deadlock).
     quiet = lambda *a: None  # noqa: E731
-    prefix_cache.free_memory = lambda device: 2**40 if rank == 0 else 0
+    prefix_cache.memory_budget = lambda device, fraction=0.25: 2**40 if rank == 0 else 0
     assert prefix_cache.use_cache("auto", clf, {"train": texts}, strategy, quiet) is False
-    prefix_cache.free_memory = lambda device: 2**40
+    prefix_cache.memory_budget = lambda device, fraction=0.25: 2**40
     assert prefix_cache.use_cache("auto", clf, {"train": texts}, strategy, quiet) is True
     os.write(1, f"rank {rank} ok\\n".encode())  # one write: the two ranks share the pipe
     teardown()
@@ -164,3 +172,22 @@ REDUCTION_SCRIPT = textwrap.dedent(
 
 def test_ddp_reduces_bfloat16_gradients_in_float32(tmp_path):
     run_on_two_processes(REDUCTION_SCRIPT, tmp_path / "ddp_reduction.py")
+
+
+def test_what_one_process_sends_another_is_json_and_an_error_is_rebuilt_by_class():
+    """on_main and on_each_node send JSON, never a pickle: a result JSON cannot hold is refused (alone too, so a
+    caller's mistake shows without torchrun), and an error arrives as the same class with the same message."""
+    import pytest
+
+    from llama_scratch.checkpoints.resume import ResumeError
+    from llama_scratch.parallel import distributed
+    from llama_scratch.parallel.strategy import Replicated
+
+    assert Replicated().on_main(lambda: ("a", 1)) == ["a", 1]  # as every process would receive it
+    with pytest.raises(TypeError, match="PosixPath"):
+        Replicated().on_main(lambda: Path("x"))
+    with pytest.raises(ResumeError, match="^runs/x: refused$"):
+        distributed.raise_sent({"error": distributed.error_json(ResumeError("runs/x: refused"))})
+    with pytest.raises(RuntimeError, match="nowhere.Unknown: gone"):
+        distributed.raise_sent({"error": {"module": "nowhere", "name": "Unknown", "message": "gone"}})
+    assert distributed.raise_sent({"result": {"k": [1]}}) == {"k": [1]}

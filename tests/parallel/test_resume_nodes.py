@@ -81,13 +81,29 @@ assert disk("cut").joinpath("resume.safetensors").exists() == (rank == 0)
 resumed, resumed_weights = run(disk("cut"), resume=True)  # rank 1 gets the point from rank 0
 assert resumed.history == whole.history
 assert all(torch.equal(whole_weights[k], resumed_weights[k]) for k in whole_weights)
+
+# A disk both see: each reads the point from it, and nothing is sent (a point of several GB would cross the network).
+calls.clear()
+loop.train_step = stopping_step
+try:
+    run(ROOT / "shared")
+    raise AssertionError("the run should have stopped")
+except KeyboardInterrupt:
+    pass
+loop.train_step = real_step
+from llama_scratch.parallel import distributed
+
+distributed.broadcast_tensors = lambda tensors: (_ for _ in ()).throw(AssertionError("a point both see was sent"))
+resumed, resumed_weights = run(ROOT / "shared", resume=True)
+assert resumed.history == whole.history
+assert all(torch.equal(whole_weights[k], resumed_weights[k]) for k in whole_weights)
 os.write(1, f"rank {rank} ok\\n".encode())
 teardown()
 """
 )
 
 
-def test_replicated_resume_without_a_shared_disk_equals_an_uninterrupted_run(tmp_path):
+def test_replicated_resume_with_or_without_a_shared_disk_equals_an_uninterrupted_run(tmp_path):
     script = REPLICATED_SCRIPT.replace("ROOT_DIR", repr(str(tmp_path)))
     run_on_two_processes(script, tmp_path / "replicated.py", timeout=300)
 
