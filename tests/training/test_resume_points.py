@@ -12,7 +12,7 @@ from llama_scratch.checkpoints.resume import ResumeError
 from llama_scratch.parallel.strategy import Replicated
 from llama_scratch.training import resume_points
 from llama_scratch.training.loop import TrainState, load_resume_point, patience_spent, save_resume_point
-from tests.test_finetune import resume_parts
+from tests.commands.test_finetune import resume_parts
 
 
 def rewrite(path, change) -> None:
