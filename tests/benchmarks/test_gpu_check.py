@@ -25,6 +25,7 @@ runpy.run_path("benchmarks/gpu_check.py", run_name="__main__")
 TOP_KEYS = ("command", "date", "device", "torch", "cuda", "total_seconds", "load_peak_ratio", "load_seconds")
 
 
+@pytest.mark.slow
 def test_quick_cpu_mode_reports_every_recipe(tmp_path):
     out = tmp_path / "out"
     argv = ["--device", "cpu", "--quick", "--out", str(out), "--dir", str(tmp_path / "ckpt")]

@@ -9,6 +9,9 @@ from pathlib import Path
 
 import pytest
 
+# Every test here runs benchmarks/simulate_scale.py as a new Python process: the `slow` tier (tests/README.md).
+pytestmark = pytest.mark.slow
+
 SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "simulate_scale.py"
 
 

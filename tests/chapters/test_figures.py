@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 
 import nbformat
+import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 CHAPTERS = ROOT / "chapters"
@@ -27,6 +28,7 @@ def references() -> dict[str, set[str]]:
     return found
 
 
+@pytest.mark.slow
 def test_draw_writes_every_referenced_figure(tmp_path):
     """The script regenerates every figure the chapters show, and the committed files are the ones it writes."""
     subprocess.run([sys.executable, str(FIGURES / "draw.py"), str(tmp_path)], check=True, capture_output=True)

@@ -114,6 +114,7 @@ def test_stored_outputs_are_complete_and_portable(path):
             assert not machine_specific(output_text(output)), f"code cell {i + 1}: {output_text(output)[:300]}"
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.stem)
 def test_chapter_runs(path):
     execute(path)

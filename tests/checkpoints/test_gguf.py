@@ -283,6 +283,7 @@ def test_toy_tokenizer_matches_hf_tokenizers(pre):
         assert ours.decode(ours.encode(text)) == text
 
 
+@pytest.mark.slow
 def test_llama3_vocabulary_via_gguf_metadata_matches_default_tokenizer():
     """A Llama-3 GGUF's vocabulary ('llama-bpe') gives the same ids as Meta's tokenizer. (The merges are left
     out here: tiktoken ranks by token id and the merges would only be checked for order.)"""
@@ -323,6 +324,7 @@ def smollm2_tokenizer(smollm2_dir) -> Tokenizer:
     return Tokenizer.for_checkpoint(smollm2_dir)
 
 
+@pytest.mark.slow
 def test_smollm2_config(smollm2_dir):
     cfg = LlamaConfig.from_hf(smollm2_dir)
     assert (cfg.vocab_size, cfg.dim, cfg.n_layers, cfg.n_heads, cfg.n_kv_heads, cfg.ffn_dim) == (
@@ -333,6 +335,7 @@ def test_smollm2_config(smollm2_dir):
     assert "apache-2.0" in (smollm2_dir / "SOURCE.md").read_text()
 
 
+@pytest.mark.slow
 def test_smollm2_logits_match_transformers_gguf(smollm2_dir, smollm2_gguf_file, smollm2_tokenizer):
     """Our model from the converted checkpoint = transformers' own GGUF loader (its dequantizer, its
     un-permutation, its Llama), in float32."""
@@ -363,6 +366,7 @@ def smollm_reference(hf_tokenizer):
     return backend
 
 
+@pytest.mark.slow
 def test_smollm2_tokenizer_matches_transformers_gguf(smollm2_tokenizer, hf_gguf_tokenizer):
     """Token for token over the SMS dataset and the edge cases: special-token strings as text (our default) and
     as special tokens (`allow_special=True`, transformers' default)."""
@@ -380,6 +384,7 @@ def test_smollm2_tokenizer_matches_transformers_gguf(smollm2_tokenizer, hf_gguf_
         assert ours.decode(expected) == hf_gguf_tokenizer.decode(expected), repr(text)
 
 
+@pytest.mark.slow
 def test_transformers_gguf_tokenizer_differs_only_before_digits(smollm2_tokenizer, hf_gguf_tokenizer):
     """Unpatched, transformers splits SmolLM2 text like GPT-2: "a  1" -> a, Ġ, Ġ, 1 where SmolLM2's own tokenizer
     and llama.cpp give a, ĠĠ, 1; likewise around non-ASCII numerals ("½"). Every other text is tokenized
@@ -400,6 +405,7 @@ def test_transformers_gguf_tokenizer_differs_only_before_digits(smollm2_tokenize
     assert smollm2_tokenizer.encode("a  1") == [81, 256, 33]
 
 
+@pytest.mark.slow
 def test_unspellable_bytes_are_dropped_not_fatal(smollm2_tokenizer, hf_gguf_tokenizer):
     """SmolLM2's vocabulary has no token for a few control bytes (e.g. 0x04); like transformers we drop them."""
     for text in ["a\x04b", "\x1d", "x\x13\x14y"]:
@@ -407,6 +413,7 @@ def test_unspellable_bytes_are_dropped_not_fatal(smollm2_tokenizer, hf_gguf_toke
     assert smollm2_tokenizer.encode("!\x04!\U00050000") == [17, 17]
 
 
+@pytest.mark.slow
 def test_smollm2_chat_template(smollm2_tokenizer, hf_gguf_tokenizer, smollm2_dir):
     template = json.loads((smollm2_dir / "tokenizer_config.json").read_text())["chat_template"]
     system = default_system_prompt(template)
@@ -419,6 +426,7 @@ def test_smollm2_chat_template(smollm2_tokenizer, hf_gguf_tokenizer, smollm2_dir
     assert smollm2_tokenizer.eos_id in smollm2_tokenizer.stop_ids
 
 
+@pytest.mark.slow
 def test_converted_checkpoint_loads_in_transformers(smollm2_dir, smollm2_tokenizer):
     """The directory is a valid Hugging Face checkpoint: transformers reads weights and tokenizer alike."""
     hf_model = transformers.AutoModelForCausalLM.from_pretrained(smollm2_dir, torch_dtype=torch.float32).eval()
@@ -431,6 +439,7 @@ def test_converted_checkpoint_loads_in_transformers(smollm2_dir, smollm2_tokeniz
         assert smollm2_tokenizer.encode(text, allow_special=True) == hf_tok.encode(text, add_special_tokens=False)
 
 
+@pytest.mark.slow
 def test_smollm2_passes_the_structure_check_quickly(smollm2_gguf_file):
     """The walk that guards gguf.GGUFReader against hostile counts accepts the real file (49152 tokens, 272
     tensors) and costs little next to reading it."""

@@ -250,6 +250,7 @@ def fuzz(tmp_path, suffix: str, mutated, read, error: type[Exception], seed: int
     assert time.perf_counter() - start < 30 and peak_rss_mb() - rss < 200
 
 
+@pytest.mark.slow
 def test_fuzzed_safetensors_loads_or_is_a_checkpoint_error(tmp_path):
     original = save_tiny(tmp_path / "model.safetensors").read_bytes()
     header_end = 8 + int.from_bytes(original[:8], "little")
@@ -337,6 +338,7 @@ print(time.perf_counter() - start, (resource.getrusage(resource.RUSAGE_SELF).ru_
 """
 
 
+@pytest.mark.slow
 def test_gguf_bomb_fails_fast_in_little_memory(tmp_path):
     """49 bytes whose one metadata array claims 2^40 elements: gguf.GGUFReader alone allocates until killed."""
     path = tmp_path / "bomb.gguf"

@@ -47,6 +47,7 @@ def test_a_pickled_resume_point_never_runs(small_csv, tmp_path, capsys):
         assert last.startswith("error:") and str(out) in last
 
 
+@pytest.mark.slow
 def test_a_finished_run_survives_a_rerun_without_overwrite(small_csv, tmp_path, capsys):
     out = tmp_path / "run"
     assert finetune_classifier.main(args_for(small_csv, out, "--max-steps", "2")) == 0
@@ -88,6 +89,7 @@ def test_an_output_directory_with_foreign_files_is_refused(small_csv, tmp_path, 
     assert (out / "holiday.jpg").read_bytes() == b"precious"
 
 
+@pytest.mark.slow
 def test_classify_refuses_files_of_two_runs_and_tensors_that_do_not_fit(small_csv, tmp_path):
     a, b = tmp_path / "a", tmp_path / "b"
     for out in (a, b):
@@ -121,6 +123,7 @@ def interrupt_first_validation(monkeypatch):
     monkeypatch.setattr(train, "evaluate", once)
 
 
+@pytest.mark.slow
 def test_resume_refuses_other_data_train_last_or_columns_by_name(small_csv, tmp_path, monkeypatch, capsys):
     data, out = tmp_path / "mine.csv", tmp_path / "run"
     data.write_bytes(small_csv.read_bytes())
@@ -301,12 +304,14 @@ DIVERGE_SCRIPT = textwrap.dedent(
 )
 
 
+@pytest.mark.slow
 def test_a_nan_on_one_process_stops_every_process(tmp_path):
     from tests.parallel.test_distributed import run_on_two_processes
 
     run_on_two_processes(DIVERGE_SCRIPT, tmp_path / "diverge.py", timeout=120)
 
 
+@pytest.mark.slow
 def test_the_classify_command_reports_a_bad_run_in_one_line(tmp_path):
     run = tmp_path / "run"
     run.mkdir()
@@ -373,6 +378,7 @@ def test_the_run_record_reads_back_as_written_and_names_a_bad_key(tmp_path):
         run_record.read_run(run)
 
 
+@pytest.mark.slow
 def test_a_file_with_100k_labels_is_refused_before_training(tmp_path, capsys):
     """Before: loaded, then a 100k x 100k confusion matrix (~75 GiB) after the first epoch was paid for."""
     import time

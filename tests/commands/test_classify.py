@@ -45,6 +45,7 @@ def read_rows(path) -> list[dict]:
         return list(csv.DictReader(f))
 
 
+@pytest.mark.slow
 def test_a_csv_in_gives_every_class_probability_out_and_the_stdout_predictions(run, small_csv, tmp_path, capsys):
     out, err = classify_ok(capsys, run, "--file", small_csv, "--output", tmp_path / "scored.csv")
     assert out == "" and "wrote 96 rows" in err
@@ -119,6 +120,7 @@ def test_an_existing_output_is_refused_and_left_untouched_unless_overwrite(run, 
     assert [r["text"] for r in read_rows(target)] == ["hello"]
 
 
+@pytest.mark.slow
 def test_jsonl_input_with_labels_and_empty_texts_left_out_with_a_count(run, small_csv, tmp_path, capsys):
     with open(small_csv, newline="") as f:
         rows = list(csv.DictReader(f))[::12]
@@ -143,6 +145,7 @@ def test_a_txt_file_stays_one_text_per_line(run, tmp_path, capsys):
     assert "notes.txt line 2: empty text" in err
 
 
+@pytest.mark.slow
 def test_each_text_is_printed_as_its_start_on_one_line(run, tmp_path, capsys):
     """A 23 KB text printed whole after its label buried every other line: the line shows its first characters,
     newlines as spaces, and an ellipsis where it was cut (--output keeps the whole text)."""
@@ -230,6 +233,7 @@ def sms_rows(small_csv) -> list[tuple[str, str]]:
         return [(r["message"], r["category"]) for r in csv.DictReader(f)]
 
 
+@pytest.mark.slow
 def test_training_and_classify_read_a_csv_quoted_tsv_as_written(run, small_csv, tmp_path, capsys):
     """csv.writer(delimiter="\\t") quotes texts with a TAB, a quote or a line end; both commands unquote them."""
     rows = sms_rows(small_csv)
@@ -252,6 +256,7 @@ def test_training_and_classify_read_a_csv_quoted_tsv_as_written(run, small_csv, 
     assert [(r["message"], r["category"]) for r in read_rows(scored_csv)] == rows
 
 
+@pytest.mark.slow
 def test_a_csv_of_unusual_column_names_is_read_alike_by_training_and_classify(run, small_csv, tmp_path, capsys):
     """`ref`, `sms_body` and `verdict`: no name either command knows, so both find the header row and the columns
     by their cells (the ids set aside, the longest values the text, few distinct values the label), say so in the
@@ -287,6 +292,7 @@ def test_classify_keeps_stray_quotes_of_a_tsv_and_says_so(run, tmp_path, capsys)
     assert [r["text"] for r in read_rows(tmp_path / "scored.csv")] == texts
 
 
+@pytest.mark.slow
 def test_jsonl_keys_of_other_names_are_found_by_their_values_in_training_and_classify(run, small_csv, tmp_path, capsys):
     """`docstring` holds the long strings and `package` few names: no column flags needed, and the log says which."""
     rows = sms_rows(small_csv)
@@ -304,6 +310,7 @@ def test_jsonl_keys_of_other_names_are_found_by_their_values_in_training_and_cla
     assert [r["docstring"] for r in read_rows(tmp_path / "scored.csv")] == [text for text, _ in rows]
 
 
+@pytest.mark.slow
 def test_scored_files_keep_every_input_column_for_csv_tsv_and_jsonl(run, small_csv, tmp_path, capsys):
     """An `id` column (and any other) comes back beside the scores, in the input's order and format; the scores
     are those classify prints for the same texts."""

@@ -4,10 +4,13 @@ import shutil
 import subprocess
 import sys
 
+import pytest
+
 from llama_scratch import __main__ as cli
 from llama_scratch import finetune_classifier
 
 
+@pytest.mark.slow
 def test_the_installed_command_lists_every_subcommand():
     exe = shutil.which("llama-scratch")
     assert exe, "pip install -e . installs the llama-scratch script ([project.scripts])"
@@ -25,6 +28,7 @@ def test_a_wrong_or_missing_command_is_one_line_and_exit_2(capsys):
     assert cli.main([]) == 2 and "commands:" in capsys.readouterr().err
 
 
+@pytest.mark.slow
 def test_subcommands_are_the_module_commands(capsys):
     """`plan` is `finetune --plan`, with the same output and exit status as the module's own entry point."""
     flags = ["--model", "llama3-8b", "--gpu-memory", "80"]

@@ -96,6 +96,7 @@ def tiny_run(small_csv, tmp_path_factory):
     return out
 
 
+@pytest.mark.slow
 def test_a_from_scratch_run_exports_with_its_llama3_tokenizer(tiny_run, tmp_path):
     out = tmp_path / "export"
     export_ok(tiny_run, out)
@@ -113,6 +114,7 @@ def test_a_from_scratch_run_exports_with_its_llama3_tokenizer(tiny_run, tmp_path
     assert [r["label"] for r in pipeline(TEXTS)] == ours
 
 
+@pytest.mark.slow
 def test_a_bfloat16_export_holds_our_weights_rounded_to_bfloat16(tiny_run, tmp_path):
     out = tmp_path / "export"
     assert export_hf.main(["--checkpoint", str(tiny_run), "--output", str(out), "--dtype", "bfloat16"]) == 0
@@ -125,6 +127,7 @@ def test_a_bfloat16_export_holds_our_weights_rounded_to_bfloat16(tiny_run, tmp_p
     assert json.loads((out / "config.json").read_text())["dtype"] == "bfloat16"
 
 
+@pytest.mark.slow
 def test_the_output_must_be_new_empty_or_our_export(tiny_run, tmp_path, capsys):
     foreign = tmp_path / "notes"
     foreign.mkdir()
@@ -206,6 +209,7 @@ def test_merge_lora_is_w_plus_alpha_over_rank_b_a():
     assert torch.allclose(merged.double(), expected, atol=1e-5)
 
 
+@pytest.mark.slow
 def test_a_lora_run_exports_with_its_adapters_merged(pretrained_run, tmp_path):
     lora_run, out = tmp_path / "lora-run", tmp_path / "export"
     adapters = add_adapters(pretrained_run, lora_run)
@@ -250,6 +254,7 @@ def test_adapters_without_lora_settings_are_refused(pretrained_run, tmp_path, ca
     assert not (tmp_path / "o").exists()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     ("flags", "blocks", "targets"),
     [
@@ -290,6 +295,7 @@ def test_a_lora_run_from_the_command_exports_as_classify_predicts(
             assert torch.equal(tensor, base[name]) == (name not in adapted), name
 
 
+@pytest.mark.slow
 def test_the_export_streams_one_tensor_at_a_time(pretrained_run, tmp_path, monkeypatch):
     """Every tensor read is tracked while it is alive: never more than one weight and its two adapters at once,
     and no safetensors file is ever loaded whole."""
@@ -325,6 +331,7 @@ def test_the_export_streams_one_tensor_at_a_time(pretrained_run, tmp_path, monke
 # --- SmolLM2 -------------------------------------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_a_smollm2_run_exports_with_its_own_tokenizer(smollm2_dir, small_csv, tmp_path):
     run, out = tmp_path / "run", tmp_path / "export"
     argv = ["--model", str(smollm2_dir), "--data", str(small_csv), "--output", str(run), "--max-steps", "2"]

@@ -34,6 +34,7 @@ def run_module(*args: str, torchrun: int = 0, **kwargs) -> subprocess.CompletedP
     )
 
 
+@pytest.mark.slow
 def test_one_process_run_writes_results_and_classify_reads_them(small_csv, tmp_path, capsys, monkeypatch):
     out = tmp_path / "run"
     assert finetune_classifier.main(args_for(small_csv, out, "--batch-size", "8")) == 0
@@ -79,6 +80,7 @@ def test_saves_only_trained_parameters_for_a_pretrained_backbone(small_csv, tmp_
     assert meta["base_model"] == str(base.resolve()) and not meta["weights_include_backbone"]
 
 
+@pytest.mark.slow
 def test_ddp_two_processes_equal_one_process(small_csv, tmp_path):
     single, ddp = tmp_path / "single", tmp_path / "ddp"
     one = run_module(*args_for(small_csv, single, "--batch-size", "8"))
@@ -125,6 +127,7 @@ def test_batch_tokens_trains_plans_and_classifies_as_a_user_types_it(small_csv, 
     assert "argument --batch-tokens: must be a positive whole number, got 0" in capsys.readouterr().err
 
 
+@pytest.mark.slow
 def test_batch_tokens_on_two_processes_equals_accumulation_on_one(small_csv, tmp_path):
     """Two DDP processes each take every other micro-batch of one list; one process accumulating two micro-batches
     a step takes the same pairs: the same steps, the same weights (each micro-batch's loss counts its rows)."""
@@ -140,6 +143,7 @@ def test_batch_tokens_on_two_processes_equals_accumulation_on_one(small_csv, tmp
     assert ma["steps"] == mb["steps"] and ma["test_confusion"] == mb["test_confusion"]
 
 
+@pytest.mark.slow
 def test_resume_after_kill_equals_uninterrupted_run(small_csv, tmp_path):
     full, killed = tmp_path / "full", tmp_path / "killed"
     # Both runs in subprocesses with the same thread count, so every reduction sums in the same order.
@@ -171,6 +175,7 @@ def test_resume_after_kill_equals_uninterrupted_run(small_csv, tmp_path):
     )
 
 
+@pytest.mark.slow
 def test_ctrl_c_saves_a_resume_point(small_csv, tmp_path):
     out = tmp_path / "run"
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
@@ -190,6 +195,7 @@ def test_ctrl_c_saves_a_resume_point(small_csv, tmp_path):
     assert read_point(out / "resume.safetensors")["state"]["step"] >= 1
 
 
+@pytest.mark.slow
 def test_bad_data_gives_a_clear_error(tmp_path):
     missing = tmp_path / "nope.csv"
     assert finetune_classifier.main(["--model", "tiny", "--data", str(missing), "--output", str(tmp_path)]) == 2
@@ -209,16 +215,19 @@ def test_float16_training_is_refused_in_one_line(small_csv, tmp_path, capsys):
     assert not out.exists()
 
 
+@pytest.mark.slow
 def test_too_little_data_for_the_processes_is_an_error(small_csv, tmp_path):
     r = run_module(*args_for(small_csv, tmp_path / "o", "--batch-size", "128"))
     assert r.returncode == 2 and "fewer than one step needs" in r.stderr
 
 
+@pytest.mark.slow
 def test_diverging_loss_stops_with_a_message(small_csv, tmp_path):
     r = run_module(*args_for(small_csv, tmp_path / "o", "--batch-size", "8", "--lr", "1e30", "--clip-grad", "0"))
     assert r.returncode == 2 and "loss became" in r.stderr
 
 
+@pytest.mark.slow
 def test_cached_frozen_prefix_trains_the_same_weights(small_csv, tmp_path):
     runs = {}
     for choice in ("on", "off"):
@@ -303,6 +312,7 @@ def test_free_memory_without_proc_meminfo_falls_back(monkeypatch):
     assert devices.free_memory(cpu) == devices.memory_budget(cpu, fraction=1.0) > 0
 
 
+@pytest.mark.slow
 def test_ctrl_c_while_caching_keeps_the_flags_and_a_bare_resume_continues(small_csv, tmp_path, monkeypatch, capsys):
     """Ctrl-C before the first step (here while the frozen layers are cached) says so and keeps the run's folder
     with its flags; then `--resume` alone, as the message and docs/finetuning.md say, trains the same weights as a
@@ -327,6 +337,7 @@ def test_ctrl_c_while_caching_keeps_the_flags_and_a_bare_resume_continues(small_
     assert not (run / "run_flags.json").exists(), "a finished run keeps only its results"
 
 
+@pytest.mark.slow
 def test_resume_refuses_other_flags_or_data_before_loading_anything(small_csv, tmp_path, monkeypatch, capsys):
     """A run interrupted mid-training, resumed with a flag typed differently or with its data file changed, is
     refused in one line before the weights load (it used to read, load and cache first, then refuse)."""

@@ -18,6 +18,7 @@ from tests.commands.test_finetune import args_for
 pytest_plugins = ["tests.smollm2"]  # the SmolLM2 fixtures: smollm2_dir
 
 
+@pytest.mark.slow
 def test_classify_does_not_cut_texts_to_the_training_length(small_csv, tmp_path):
     out = tmp_path / "run"
     argv = args_for(small_csv, out, "--max-steps", "2")
@@ -31,6 +32,7 @@ def test_classify_does_not_cut_texts_to_the_training_length(small_csv, tmp_path)
     assert classify.predict(clf, tok, same_start, max_length=8)[0] == classify.predict(clf, tok, same_start, 8)[1]
 
 
+@pytest.mark.slow
 def test_each_run_gets_its_own_folder_and_runs_latest_points_at_the_newest(small_csv, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     jsonl = tmp_path / small_csv.with_suffix(".jsonl").name
@@ -47,6 +49,7 @@ def test_each_run_gets_its_own_folder_and_runs_latest_points_at_the_newest(small
     assert classify.main(["--checkpoint", "runs/latest", "free prize"]) == 0
 
 
+@pytest.mark.slow
 def test_a_run_moved_with_its_weights_still_classifies_and_a_lost_base_names_the_flag(small_csv, tmp_path, capsys):
     cfg = LlamaConfig.from_name("tiny")
     base, out = tmp_path / "project" / "weights" / "base", tmp_path / "project" / "runs" / "r"
@@ -64,6 +67,7 @@ def test_a_run_moved_with_its_weights_still_classifies_and_a_lost_base_names_the
     assert classify.main(["--checkpoint", str(lone), "--model", str(tmp_path / "base-now"), "hi"]) == 0
 
 
+@pytest.mark.slow
 def test_asking_for_a_missing_gpu_is_one_line(small_csv, tmp_path):
     if torch.cuda.is_available():
         return  # the message is for machines without one
@@ -175,6 +179,7 @@ def made_up_reviews() -> list[tuple[str, str]]:
     return rows
 
 
+@pytest.mark.slow
 def test_sixty_separable_reviews_learn_with_the_default_recipe(smollm2_dir, tmp_path):
     import csv
 
@@ -207,6 +212,7 @@ def test_each_process_takes_a_gpu_it_can_see():
             raise AssertionError(f"--device {wrong} under torchrun was accepted")
 
 
+@pytest.mark.slow
 def test_patience_stops_early_and_class_weights_weigh_the_rare_class(tmp_path):
     from llama_scratch import LlamaClassifier
     from llama_scratch.data.batching import TokenizedSplit
@@ -287,6 +293,7 @@ def test_each_node_makes_the_model_local_once(monkeypatch):
         on_each_node(fail, Processes())
 
 
+@pytest.mark.slow
 def test_compile_flag_compiles_the_token_wise_modules():
     """--compile wraps every block's feed-forward and norms in torch.compile (attention stays eager); nothing is
     compiled without it. (Compiling itself takes tens of seconds here, so the test stops before the first call.)"""
@@ -303,6 +310,7 @@ def test_compile_flag_compiles_the_token_wise_modules():
         assert block.attention._compiled_call_impl is None
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "module", ["finetune_classifier", "classify", "export_hf", "generate", "download", "convert_gguf"]
 )

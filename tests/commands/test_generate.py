@@ -80,6 +80,7 @@ def test_pick_token():
     assert {pick_token(logits, temperature=1.0, top_k=1, generator=g) for _ in range(20)} == {1}
 
 
+@pytest.mark.slow
 def test_smollm2_says_paris(smollm2_dir):
     tok = Tokenizer.for_checkpoint(smollm2_dir)
     model = load_model(smollm2_dir).eval()
@@ -87,6 +88,7 @@ def test_smollm2_says_paris(smollm2_dir):
     assert "Paris" in tok.decode(out)
 
 
+@pytest.mark.slow
 def test_generate_command(smollm2_dir, capsys):
     question = "What is the capital of France?"
     assert main(["--model", str(smollm2_dir), "--chat", "--max-new-tokens", "16", question]) == 0

@@ -82,6 +82,7 @@ def test_resume_of_a_missing_or_finished_run_is_refused_before_anything_loads(tm
 # ---------------------------------------------------------------------------------------------- 6: flags
 
 
+@pytest.mark.slow
 def test_a_misspelt_or_shortened_flag_is_one_line_naming_the_nearest(tmp_path, capsys):
     """`--epoch 2` was taken as `--epochs 2` (argparse's prefixes) and a misspelt flag printed the whole usage
     first: every command refuses both in one line, naming the flag meant."""
@@ -122,6 +123,7 @@ def logged_run(tmp_path_factory) -> tuple[subprocess.CompletedProcess, Path]:
     return run_module(*args_for(data, out, "--batch-size", "8")), data
 
 
+@pytest.mark.slow
 def test_a_bad_rows_warning_is_its_message_alone(logged_run):
     """The warning showed `.../finetune_args.py:433: DataWarning:` and a line of our source."""
     r, data = logged_run
@@ -131,6 +133,7 @@ def test_a_bad_rows_warning_is_its_message_alone(logged_run):
     assert "DataWarning" not in r.stderr and ".py:" not in r.stderr and "warnings.warn" not in r.stderr
 
 
+@pytest.mark.slow
 def test_progress_in_a_log_is_a_line_per_epoch_not_carriage_returns(logged_run):
     """A redirected log got hundreds of `\\r` redraws an epoch; now each epoch's bar is one line when it ends (a
     long one, also a line a quarter)."""
@@ -163,6 +166,7 @@ def test_a_long_bar_in_a_log_writes_a_line_a_quarter(monkeypatch):
 # ---------------------------------------------------------------------------------------------- 8: --quantize
 
 
+@pytest.mark.slow
 def test_a_quantized_run_counts_every_parameter(tmp_path, capsys):
     """Under --quantize nf4 the log counted the full-precision part only (35M of SmolLM2's 134.5M): the packed
     4-bit weights are buffers, not parameters. Now the total is the model's, and how many of them are in NF4."""
@@ -199,6 +203,7 @@ def own_files_run(tmp_path_factory) -> tuple[Path, Path]:
     return out, test
 
 
+@pytest.mark.slow
 def test_the_test_figures_are_what_classify_says_on_the_same_file(own_files_run, capsys):
     """metrics.json said 80.00% and `classify --labels` on the same test file 80.25%: the run evaluated its test
     texts cut to the training length, classify whole. Both read them whole now, and agree to the text."""
@@ -239,6 +244,7 @@ def test_classify_finds_the_text_beside_an_id_column(own_files_run, tmp_path, ca
 # ---------------------------------------------------------------------------------------------- 5: --plan
 
 
+@pytest.mark.slow
 def test_plan_offers_lora_on_nf4_for_the_one_card_named(capsys):
     """`plan --model llama3-8b --dtype bfloat16 --gpu-memory 12` offered only --shard on 4 GPUs; LoRA on NF4
     weights fits that one card, and is offered before sharding, and fits when planned as offered."""
@@ -279,6 +285,7 @@ def test_plan_advice_changes_the_flag_that_sizes_the_batch(batch, capsys):
 # ---------------------------------------------------------------------------------------------- 9: runs/latest
 
 
+@pytest.mark.slow
 def test_runs_latest_follows_generated_folders_only_and_a_bare_resume_says_so(tmp_path, monkeypatch, capsys):
     """A run given --output is not what runs/latest points at: a bare --resume then finds an older run, and says
     why and which flag continues the run meant. The docs say so, and no longer that nothing ran on a GPU."""

@@ -13,6 +13,9 @@ from llama_scratch import classify, finetune_classifier
 from llama_scratch.checkpoints.resume import read_point
 from llama_scratch.checkpoints.run_record import read_run
 
+# Every test here trains a run end to end through the command: the `slow` tier (tests/README.md).
+pytestmark = pytest.mark.slow
+
 FLAGS = ["--model", "tiny", "--epochs", "2", "--train-last", "2", "--lr", "1e-3", "--max-length", "48"]
 
 

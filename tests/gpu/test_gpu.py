@@ -327,6 +327,7 @@ def assert_trained(run: Path, base: Path, device: torch.device, dtype: torch.dty
     return metrics
 
 
+@pytest.mark.slow
 def test_torchrun_on_one_gpu_trains_over_nccl(base, small_csv, tmp_path, gpu_device, gpu_dtype):
     """One process under torchrun trains on the GPU and writes the run. One process makes no process group
     (distributed.setup joins one only for several), so this checks torchrun's environment on a GPU, not NCCL
@@ -338,6 +339,7 @@ def test_torchrun_on_one_gpu_trains_over_nccl(base, small_csv, tmp_path, gpu_dev
     assert_trained(run, base, gpu_device, gpu_dtype, world_size=1)
 
 
+@pytest.mark.slow
 def test_torchrun_with_shard_trains(base, small_csv, tmp_path, gpu_device, gpu_dtype):
     """--shard as a user adds it. On one GPU a --shard run is a plain one (strategy.choose_strategy: alone there is
     nothing to share out), so this checks that the flag is accepted under NCCL and the run completes and is written

@@ -292,6 +292,7 @@ def python_blocks(path: Path) -> list[tuple[int, str]]:
     return blocks
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("page", [p for p in PAGES if python_blocks(p)], ids=lambda p: p.name)
 def test_python_examples_run(page, tmp_path, monkeypatch):
     """A page's examples in order, in one namespace, in an empty directory (they write weights/ and runs/)."""

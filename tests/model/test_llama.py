@@ -102,6 +102,7 @@ def test_rmsnorm_normalises_in_float32():
     assert out.dtype == torch.bfloat16 and torch.equal(out, want)
 
 
+@pytest.mark.slow
 def test_tiny_learns_to_reproduce_a_sequence():
     model = Llama(LlamaConfig.from_name("tiny"))
     seq = torch.tensor([[128000, 791, 4062, 14198, 39935, 35308, 927, 279, 16053, 5679, 13]])

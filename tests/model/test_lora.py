@@ -175,6 +175,7 @@ def lora_args(data, out, base, *extra):
     return args_for(data, out, "--model", str(base), *extra)  # the last --model wins
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("lora", [["--lora", "4", "--lora-targets", "q,v,o,down"], []], ids=["lora", "whole-blocks"])
 def test_saved_run_classifies_as_at_the_end_of_training(small_csv, base, tmp_path, lora):
     out = tmp_path / "run"
@@ -203,6 +204,7 @@ def test_saved_run_classifies_as_at_the_end_of_training(small_csv, base, tmp_pat
     assert confusion == metrics["test_confusion"]
 
 
+@pytest.mark.slow
 def test_ddp_two_processes_equal_one_process_with_lora(small_csv, base, tmp_path):
     single, ddp = tmp_path / "single", tmp_path / "ddp"
     lora = ["--lora", "4", "--lora-alpha", "16"]
@@ -218,6 +220,7 @@ def test_ddp_two_processes_equal_one_process_with_lora(small_csv, base, tmp_path
     assert abs(ma["test_loss"] - mb["test_loss"]) < 1e-5
 
 
+@pytest.mark.slow
 def test_resume_refuses_another_lora_rank_by_name(small_csv, base, tmp_path, monkeypatch, capsys):
     out = tmp_path / "run"
     interrupt_first_validation(monkeypatch)

@@ -247,6 +247,7 @@ def base(tmp_path_factory):
     return path
 
 
+@pytest.mark.slow
 def test_the_streaming_load_quantizes_every_frozen_linear_as_from_the_full_weight(base, monkeypatch):
     full = load_model(base)
     monkeypatch.setattr(weights, "QUANTIZE_CHUNK", 64 * 50)  # several row chunks per tensor, one short at the end
@@ -351,6 +352,7 @@ def test_quantize_needs_frozen_pretrained_weights(base, small_csv, tmp_path, cap
     assert "--quantize needs frozen weights" in capsys.readouterr().err
 
 
+@pytest.mark.slow
 def test_classify_refuses_to_quantize_a_run_trained_from_random_weights(small_csv, tmp_path, capsys):
     """Such a run trained every weight: there is no frozen base, and --quantize must not be silently ignored."""
     assert finetune("tiny", small_csv, tmp_path / "run", "--train-last", "all", "--max-steps", "1") == 0
@@ -366,6 +368,7 @@ def test_a_resume_with_another_quantize_is_refused(tmp_path):
         resumed_flags(args, {"quantize": "nf4"}, tmp_path)  # a record of version 1: flat, by the flags' names
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("flags", [["--lora", "8"], ["--train-last", "1"]], ids=["qlora", "train-last-1"])
 def test_a_quantized_run_classifies_as_it_evaluated_and_exports(base, small_csv, tmp_path, flags):
     run, out, scored, test_csv = tmp_path / "run", tmp_path / "export", tmp_path / "scored.csv", tmp_path / "t.csv"

@@ -9,6 +9,11 @@ from pathlib import Path
 
 REPO = str(Path(__file__).resolve().parents[1])
 
+import pytest
+
+# Every test here starts two processes under torchrun: the `slow` tier (tests/README.md).
+pytestmark = pytest.mark.slow
+
 
 def run_on_two_processes(script: str, path, timeout: float = 300) -> None:
     """Run `script` under torchrun with two CPU processes; each prints 'rank N ok' when its checks pass."""

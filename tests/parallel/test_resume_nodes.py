@@ -10,12 +10,16 @@ import textwrap
 import time
 from pathlib import Path
 
+import pytest
 from safetensors.torch import load_file
 
 from llama_scratch.checkpoints.resume import read_point
 from tests.commands.test_finetune import run_module
 from tests.parallel.test_distributed import run_on_two_processes
 from tests.parallel.test_sharding import args_for, checkpoint  # noqa: F401 -- the fixture, shared
+
+# Every test here starts two processes under torchrun: the `slow` tier (tests/README.md).
+pytestmark = pytest.mark.slow
 
 COMMON = """
 import os

@@ -63,6 +63,7 @@ def args_for(model: Path, data: Path, out: Path, *extra: str) -> list[str]:
             str(out), "--epochs", "2", "--lr", "1e-3", "--max-length", "48", *extra]  # fmt: skip
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "recipe",
     [
@@ -126,6 +127,7 @@ teardown()
 """
 
 
+@pytest.mark.slow
 def test_sharded_load_holds_half_per_process(tmp_path):
     """12 blocks of many tensors: each of two processes holds half the bytes (+/- one tensor), and its memory grows
     by about that much while loading, not by the whole checkpoint."""
@@ -150,6 +152,7 @@ def kill_every_process_of(out: Path) -> None:
             pass
 
 
+@pytest.mark.slow
 def test_sharded_run_killed_mid_epoch_resumes_to_the_same_weights(checkpoint, small_csv, tmp_path):
     full, killed = tmp_path / "full", tmp_path / "killed"
     common = ("--train-last", "2", "--batch-size", "4", "--save-every", "1", "--shard")
@@ -187,11 +190,13 @@ def test_sharded_run_killed_mid_epoch_resumes_to_the_same_weights(checkpoint, sm
     assert not (killed / "resume.sharded").exists(), "the spent resume point is removed with the results"
 
 
+@pytest.mark.slow
 def test_shard_group_needs_shard(checkpoint, small_csv, tmp_path):
     r = run_module(*args_for(checkpoint, small_csv, tmp_path / "x", "--shard-group", "2"))
     assert r.returncode == 2 and "--shard-group G needs --shard" in r.stderr
 
 
+@pytest.mark.slow
 def test_bfloat16_sharded_run_steps_float32_masters(checkpoint, small_csv, tmp_path):
     """The GPU default, on the CPU: bfloat16 shards, stepped through float32 master weights (optim.py) that are
     DTensors too; the saved weights are bfloat16 and have moved away from the checkpoint's."""
@@ -269,12 +274,14 @@ teardown()
 """
 
 
+@pytest.mark.slow
 def test_sharded_frozen_pass_equals_one_process_with_uneven_shares(tmp_path):
     """The frozen-prefix pass under FSDP2: each process runs its share of the texts through the sharded frozen
     blocks, every process gets every text's states, equal to one unsharded process's."""
     run_on_two_processes(FROZEN_PASS_SCRIPT, tmp_path / "sharded_cache.py", timeout=180)
 
 
+@pytest.mark.slow
 def test_sharded_run_caches_the_frozen_layers_and_trains_as_without(checkpoint, small_csv, tmp_path):
     """--shard computes the frozen blocks' output once (it was silently off: issue 26) and trains to the weights
     and figures the sharded run without the cache reaches."""
@@ -298,6 +305,7 @@ def test_sharded_run_caches_the_frozen_layers_and_trains_as_without(checkpoint, 
     assert abs(ma["test_loss"] - mb["test_loss"]) < 1e-5
 
 
+@pytest.mark.slow
 def test_sharded_run_from_random_weights_writes_the_file_one_process_writes(small_csv, tmp_path):
     """`--model tiny --train-last all` (random weights, a tied embedding: the whole classifier is saved), typed as
     a user types it, alone and under torchrun with --shard: the same tensors under the same names and shapes, and
@@ -345,6 +353,7 @@ teardown()
 """
 
 
+@pytest.mark.slow
 def test_sharded_random_weights_start_as_one_process_without_a_whole_copy(tmp_path):
     """--shard --model tiny: the classifier is built on the meta device, sharded, and each process draws its rows;
     every weight (the tied embedding, the norms' ones, the head) equals what one process draws from the same
@@ -391,6 +400,7 @@ teardown()
 """
 
 
+@pytest.mark.slow
 def test_sharded_adamw_steps_all_tensors_at_once_as_it_did_one_at_a_time(tmp_path):
     """Sharded parameters (DTensors) take AdamW's multi-tensor (foreach) kernel, and two sharded processes train to
     the weights the one-tensor-at-a-time kernel reached before: float32 AdamW and the float32 masters of bfloat16

@@ -186,6 +186,7 @@ def test_packed_activations_are_what_autograd_saves(dtype, train_last, lora):
     assert plan.activations == pytest.approx(measured, rel=0.001, abs=64)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "train_last, checkpointing, grad_accum",
     [(2, False, 1), (2, True, 1), (None, False, 1), (None, True, 1), (2, False, 2)],
@@ -219,6 +220,7 @@ def test_peaks_match_live_tensors_of_real_steps(train_last, checkpointing, grad_
     assert 0.9 * plan.peak <= mem["peak"] <= 1.02 * plan.peak
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "train_last, checkpointing, grad_accum",
     [(1, False, 1), (2, False, 1), (2, True, 1), (None, False, 1), (None, True, 1), (2, False, 2)],
@@ -261,6 +263,7 @@ def test_packed_frozen_forward_peak_is_the_planned_one(lengths):
     assert block_forward_work(cfg, layout, 2) == pytest.approx(live.peak, rel=0.01)  # but the batch's ints
 
 
+@pytest.mark.slow
 def test_plan_command_prints_without_loading_anything(monkeypatch, capsys):
     def refuse(*args, **kwargs):
         raise AssertionError("--plan must not load data or weights")
@@ -282,6 +285,7 @@ def test_plan_command_prints_without_loading_anything(monkeypatch, capsys):
     assert "--plan needs --model" in capsys.readouterr().err
 
 
+@pytest.mark.slow
 def test_plan_defaults_are_the_runs_defaults(tmp_path, capsys):
     """Without --train-last the plan assumes what a run of the checkpoint would do: the last 2 blocks of a pretrained
     checkpoint (only its config.json is read), and the same for a preset named on --plan, which stands for its
@@ -326,6 +330,7 @@ def needed_gib(out: str) -> float:
     return float(re.search(r"^  needed +([\d.]+) GiB", out, re.MULTILINE).group(1))
 
 
+@pytest.mark.slow
 def test_plan_without_a_gpu_plans_a_bfloat16_gpu_and_says_so(monkeypatch, capsys):
     """Issue #26: on a machine without a GPU, `--plan` planned float32 (a CPU's dtype: 38.4 GiB for 8B) and said
     both that a preset is planned as its checkpoint and that it trains random weights. A plan is for a GPU: bfloat16
@@ -363,6 +368,7 @@ def test_plan_without_a_gpu_plans_a_bfloat16_gpu_and_says_so(monkeypatch, capsys
     assert code == 2 and "error: --gpu-memory checks a plan for a GPU, and --device cpu plans" in out
 
 
+@pytest.mark.slow
 def test_plan_on_a_detected_gpu_follows_its_bfloat16_support(monkeypatch, capsys):
     """With a GPU, the plan is checked against its memory, and `--dtype auto` is what a run there would choose:
     bfloat16 where the GPU computes it natively (devices.choose_dtype), float32 on one that does not."""
@@ -391,6 +397,7 @@ def table_gib(cell: str) -> float:
     return float(cell.split(" GiB")[0].replace(",", ""))
 
 
+@pytest.mark.slow
 def test_docs_plan_table_is_what_the_command_prints(monkeypatch, capsys):
     """Every figure of docs/scaling.md's table through the command as typed, on a machine without a GPU (nothing to
     check against: exit 0). The fewest GPUs that fit 80 GiB: here for 8B; 70B's, whose searches are slow, in
@@ -424,6 +431,7 @@ def table_fewest(cell: str) -> tuple[int, str]:
     return int(n), each
 
 
+@pytest.mark.slow
 def test_plan_that_does_not_fit_exits_2_and_names_the_weights_first(capsys):
     """70B in bfloat16 is 131 GiB of weights: no smaller batch or checkpointing helps, only weights held in NF4
     (offered, and fitting) or sharding over the fewest GPUs that fit, offered last, which, planned again, fits."""
@@ -455,6 +463,7 @@ def test_activations_that_do_not_fit_get_options_that_fit(capsys):
         assert code == 0 and "FITS on" in again, flags
 
 
+@pytest.mark.slow
 def test_too_many_trained_blocks_get_the_most_that_fit(capsys):
     """8B, every block on 24 GiB: the optimizer state and gradients alone are 42 GiB. The plan offers the largest
     --train-last that fits: it fits, one more does not."""
@@ -480,6 +489,7 @@ def test_format_plan_names_every_part():
         PlanInputs(LlamaConfig.from_name("tiny"), 1, 1, optimizer_state="bfloat16")
 
 
+@pytest.mark.slow
 def test_gpu_benchmark_cpu_shape_runs(tmp_path, capsys):
     out = tmp_path / "results.json"
     argv = [
@@ -538,6 +548,7 @@ def test_several_gpus_reserve_room_for_nccl(capsys):
     assert "NCCL" not in format_plan(alone, ("NVIDIA H100 80GB HBM3", 80 * 2**30))
 
 
+@pytest.mark.slow
 def test_a_ddp_replica_that_cannot_fit_is_refused_naming_shard():
     """Under torchrun on GPUs, before anything loads: 70B's replica cannot fit 80 GiB, and the error names --shard
     and the fewest GPUs the sharded plan fits on; 8B with its last 2 blocks trained fits and passes."""
@@ -616,6 +627,7 @@ def test_sharded_plan_per_process_figures():
     assert share == 2 * ((D + D // 64 * 8) + (D + 1024 // 64 * 8)) + D + D // 64  # A: 1 of 8 rows; head: 1 of 2
 
 
+@pytest.mark.slow
 def test_smallest_world_size_that_fits():
     """70B, every layer, checkpointing, 80 GiB GPUs: the fewest sharded processes that fit, in whole nodes of 8
     beyond 8 (of 4 when the recipe runs 4 a node); one node fewer does not fit. 8B fits on 4."""
@@ -642,6 +654,7 @@ def test_smallest_world_size_that_fits():
         PlanInputs(r.cfg, 8, 512, world_size=3, nodes=2)
 
 
+@pytest.mark.slow
 def test_plan_command_sharded(capsys):
     """--plan --shard --world-size N --nodes M prints each process's share and the smallest world size that fits;
     a DDP plan that does not fit names --shard and that world size, which fits when planned again."""
@@ -659,6 +672,7 @@ def test_plan_command_sharded(capsys):
     assert code == 2 and "multiple of the 2 node(s)" in out
 
 
+@pytest.mark.slow
 def test_plan_world_size_defaults_to_torchruns(monkeypatch, capsys):
     monkeypatch.setenv("WORLD_SIZE", "4")
     code, out = plan_output(["--train-last", "2", "--shard", "--gpu-memory", "80"], capsys)

@@ -99,6 +99,7 @@ def plan(argv: list[str], capsys) -> tuple[int, str]:
     return code, captured.out + captured.err
 
 
+@pytest.mark.slow
 def test_8b_lora_on_12_gib_is_offered_nf4_which_fits(monkeypatch, capsys):
     """Issue #28: Llama-3-8B with LoRA does not fit 12 GiB in bfloat16 (15 GiB of weights alone); the plan offers
     --quantize nf4, and the same command with it fits and says what it holds."""
@@ -135,6 +136,7 @@ def docs_quantized_table() -> list[list[str]]:
     return [row.split(" | ") for row in rows]
 
 
+@pytest.mark.slow
 def test_docs_quantized_table_is_what_the_command_prints(monkeypatch, capsys):
     """Every cell of the quantized table through the command as typed: 8B on 12 GiB in bfloat16 (does not fit,
     offers NF4) and in NF4 (fits), 70B in NF4 on one 80 GiB GPU."""

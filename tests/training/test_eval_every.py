@@ -148,6 +148,7 @@ def test_the_kept_evaluation_is_the_best_by_the_measure_and_patience_counts_eval
     assert said.startswith(f"keeping step {state.best_step}'s weights, not step {state.step}'s")
 
 
+@pytest.mark.slow
 def test_an_interrupt_during_an_evaluation_inside_an_epoch_then_resume_equals_one_run(tmp_path, monkeypatch):
     """Ctrl-C during an evaluation between two epochs' ends, and once more in the middle of a step: the resumed run
     evaluates again where it stopped, and its history, kept evaluation and weights are the uninterrupted run's."""
@@ -200,6 +201,7 @@ class FakeWriter:
         self.flushes += 1
 
 
+@pytest.mark.slow
 def test_eval_every_select_by_macro_f1_end_to_end(small_csv, tmp_path, monkeypatch, capsys):
     """As a user types it: rows every 2 steps in history.csv, the weights of the best macro-F1 row kept (checked by
     running classify's own loading and prediction on the validation texts), macro-F1 and ROC AUC in metrics.json,

@@ -148,6 +148,7 @@ def syncs_in_an_epoch(side: str, cached: bool, grad_accum: int, monkeypatch) -> 
     return gpu.syncs, state.step
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("grad_accum", [1, 2])
 @pytest.mark.parametrize("cached", [False, True], ids=["uncached", "cached"])
 @pytest.mark.parametrize("side", ["packed", "right"])

@@ -244,6 +244,7 @@ def test_the_threshold_is_the_best_micro_f1_on_validation_nearest_one_half_of_eq
 # --- end to end, as a user types it --------------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_a_multi_label_run_trains_classifies_several_labels_and_exports_to_transformers(tmp_path, capsys):
     data = write_rows(tmp_path / "tags.csv", tagged_texts(84))
     out = tmp_path / "run"
@@ -321,6 +322,7 @@ def test_a_multi_label_run_trains_classifies_several_labels_and_exports_to_trans
         assert {s["label"]: s["score"] for s in row} == pytest.approx(dict(zip(names, ours_row, strict=True)), abs=1e-4)
 
 
+@pytest.mark.slow
 def test_an_older_record_without_multi_label_reads_as_one_label_per_text(small_csv, tmp_path, capsys):
     from tests.commands.test_finetune import args_for
 
@@ -375,5 +377,6 @@ TWO_PROCESS_SCRIPT = textwrap.dedent(
 )
 
 
+@pytest.mark.slow
 def test_two_processes_gather_every_row_s_probabilities_once(tmp_path):
     run_on_two_processes(TWO_PROCESS_SCRIPT, tmp_path / "two.py")

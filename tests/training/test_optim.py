@@ -1,5 +1,6 @@
 """MasterWeightAdamW: bfloat16 parameters stepped through float32 masters, exactly as float32 AdamW would step them."""
 
+import pytest
 import torch
 from torch import nn
 
@@ -78,6 +79,7 @@ def test_make_optimizer_picks_masters_only_for_low_precision():
     assert scheduler.get_last_lr() == [TrainSettings().lr * 0.5] * 2
 
 
+@pytest.mark.slow
 def test_bfloat16_training_with_the_default_recipe_learns_like_float32():
     """A bfloat16 classifier trained with the default optimizer state (float32 masters) moves its norm gains and
     ends near the same model trained in float32; with `optimizer_state="param"` the gains never move (each update of
