@@ -23,7 +23,7 @@ if TYPE_CHECKING:  # for type checkers and editors only; at run time __getattr__
     from .model.tokenizer import Tokenizer
     from .sources.resolve import load_model
 
-# public name -> the module that defines it (tests/test_first_day.py checks it against __all__)
+# public name -> the module that defines it (tests/commands/test_first_day.py checks it against __all__)
 _HOMES = {
     "LlamaConfig": "model.config",
     "Llama": "model.llama",

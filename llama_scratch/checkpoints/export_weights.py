@@ -9,7 +9,8 @@ data. Then each tensor is read, merged, cast and written before the next one is 
 A run trained over a quantized base (`--quantize nf4|int8`, classifier.json's "quantize") needs nothing else here:
 the base tensors are read from the base's own full-precision checkpoint, never from quantized values, so the export
 is the full-precision base plus what trained (adapters merged). It differs from the quantized model `classify`
-runs by the quantization error, and it is what an unquantized rebuild of the run computes (tests/test_quantize.py).
+runs by the quantization error, and it is what an unquantized rebuild of the run computes
+(tests/model/test_quantize.py).
 """
 
 from __future__ import annotations

@@ -16,7 +16,8 @@ classifier, which pools each text's last token): that block computes its queries
 only there.
 
 A layout is made where the batch is made: `data.batching.to_batch` builds it from what it knows on the host (the
-lengths, the padding side), so that a forward never reads a device tensor back to find out (`tests/test_host_sync.py`);
+lengths, the padding side), so that a forward never reads a device tensor back to find out
+(`tests/training/test_host_sync.py`);
 `Llama.forward` builds it for the plain calls (a mask or none, a cache), looking at the mask when it must.
 """
 

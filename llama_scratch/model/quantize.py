@@ -123,7 +123,7 @@ class FrozenQuantizedLinear(torch.autograd.Function):
     quantizing saves. Here forward saves the buffers themselves (no new memory) and backward dequantizes again,
     then grad_x = grad_y W: one more dequantization per layer in exchange (torchao's `linear_nf4` does the same).
     W is frozen, so no weight gradient. The same dequantization and the same matmuls as the plain path: outputs and
-    input gradients are bit-identical to it (tests/test_quantize.py).
+    input gradients are bit-identical to it (tests/model/test_quantize.py).
     """
 
     @staticmethod

@@ -2,7 +2,7 @@
 
 The vocabulary file (`tokenizer.model`) lists 128,000 byte sequences with their merge ranks; 256 special
 tokens follow them (ids 128000-128255). Tokens, names and numbers match Meta's reference
-(`llama_models.llama3.tokenizer.Tokenizer`) token for token; tests/test_tokenizer.py checks that.
+(`llama_models.llama3.tokenizer.Tokenizer`) token for token; tests/model/test_tokenizer.py checks that.
 
 Other byte-level BPE tokenizers (GPT-2 style ones from GGUF or a Hugging Face `tokenizer.json`) are read by
 `llama_scratch.model.bpe` and plug in through `Tokenizer.from_hf_json` / `from_encoding`, so the rest of the package

@@ -204,7 +204,7 @@ def set_from_full(t: torch.Tensor, full: torch.Tensor) -> None:
 def fresh_values(clf: LlamaClassifier, device: torch.device | str = "cpu") -> dict[str, torch.Tensor]:
     """The head and the LoRA adapters (what no checkpoint holds), drawn on `device` in full exactly as
     LlamaClassifier and LoRALinear draw them on a loaded backbone, in the same order from the same generator: a
-    sharded run starts from the weights a single process starts from (tests/test_sharding.py asserts it)."""
+    sharded run starts from the weights a single process starts from (tests/parallel/test_sharding.py asserts it)."""
     cfg, head = clf.backbone.cfg, clf.head
     values = {"head.weight": new_head(cfg.dim, head.out_features, head.weight.dtype, device).weight.detach()}
     names = {id(m): name for name, m in clf.named_modules()}

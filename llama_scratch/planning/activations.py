@@ -1,6 +1,6 @@
 """What one block of the classifier saves for backward and the temporaries it makes, in bytes (for plan.py).
 
-Each term names the tensor autograd saves, operation by operation (tests/test_plan.py checks the sums against
+Each term names the tensor autograd saves, operation by operation (tests/planning/test_plan.py checks the sums against
 `torch.autograd.graph.saved_tensors_hooks`, for padded and packed batches). A trained block saves the same tensors
 whether its weights train or LoRA adapters do, except for what the weights' gradients read: see
 `projection_inputs_bytes`.
@@ -61,7 +61,7 @@ def projection_inputs_bytes(
     A's gradient) and its [rows, rank] A x (for B's). With dropout, each adapter keeps its own dropped input
     instead, and, where gradients flow through it, the dropout mask (1 byte on CUDA's fused kernel, the input's
     dtype on CPU). Planned as if gradients flowed through every operation of the block: exact for the default
-    targets (all seven), an overestimate for some subsets (tests/test_plan.py measures both).
+    targets (all seven), an overestimate for some subsets (tests/planning/test_plan.py measures both).
     """
 
     def once(entries) -> int:

@@ -3,7 +3,8 @@
 Parameter counts come from the model built on the meta device, so they are exact (LoRA adapters, their gradients
 and optimizer state included). Activation sizes come from the model's own operations: each term (in
 plan_activations.py, and outside the blocks here) names the tensor autograd saves for backward (checked against
-`torch.autograd.graph.saved_tensors_hooks` in tests/test_plan.py), for full blocks and for the classifier's last
+`torch.autograd.graph.saved_tensors_hooks` in tests/planning/test_plan.py), for full blocks and for the classifier's
+last
 block, which runs only at each row's last token. Working memory of a forward or backward step (tensors that live
 for one operation) is an estimate from the same shapes, checked on CPU against the live tensors of real steps; it
 is a small part of the peak. CUDA kernels may keep other temporaries than CPU ones: benchmarks/gpu_8b.py measures.

@@ -39,7 +39,7 @@ def loss(
 
 
 def correct(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    """How many rows are right, as a device tensor (no read to the host: `tests/test_host_sync.py`): the most
+    """How many rows are right, as a device tensor (no read to the host: `tests/training/test_host_sync.py`): the most
     probable class is the label, or under --multi-label every label's decision at probability 0.5 (logit >= 0,
     "at or above", as `classify` reads a threshold) equals its target: an exact match of the whole set."""
     if labels.ndim == 1:

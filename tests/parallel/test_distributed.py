@@ -7,9 +7,9 @@ import sys
 import textwrap
 from pathlib import Path
 
-REPO = str(Path(__file__).resolve().parents[1])
-
 import pytest
+
+REPO = str(Path(__file__).resolve().parents[2])  # the checkout whose package the processes import
 
 # Every test here starts two processes under torchrun: the `slow` tier (tests/README.md).
 pytestmark = pytest.mark.slow
