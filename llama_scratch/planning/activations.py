@@ -5,7 +5,7 @@ Each term names the tensor autograd saves, operation by operation (tests/plannin
 whether its weights train or LoRA adapters do, except for what the weights' gradients read: see
 `projection_inputs_bytes`.
 
-A batch is a `Layout`. Training packs its texts (model/packing.py): norms, projections and the feed-forward run on
+A batch is a `BatchShape`. Training packs its texts (model/packing.py): norms, projections and the feed-forward run on
 the real tokens only, attention on a right-padded copy of texts x longest slots. So some terms grow with the
 tokens and others with the slots, and the packing itself keeps tensors a padded batch does not have.
 """
@@ -21,7 +21,7 @@ FP32 = 4  # bytes: RMSNorm and rotary embedding compute in float32 whatever the 
 INT64 = 8  # bytes: token ids and the packed layout's indices
 
 
-class Layout(NamedTuple):
+class BatchShape(NamedTuple):
     """A micro-batch as memory sees it: `texts` rows (padded) or texts (packed), the longest `longest` tokens, and
     `tokens` real tokens in all (a padded batch: texts x longest, every position computed)."""
 
@@ -36,7 +36,7 @@ class Layout(NamedTuple):
         return self.texts * self.longest
 
     @classmethod
-    def padded(cls, batch: int, seq: int) -> Layout:
+    def padded(cls, batch: int, seq: int) -> BatchShape:
         return cls(batch, seq, batch * seq, packed=False)
 
 
@@ -91,7 +91,7 @@ class BlockSaved(NamedTuple):
 
 def block_saved(
     cfg: LlamaConfig,
-    b: Layout,
+    b: BatchShape,
     itemsize: int,
     input_grad: bool,
     device_type: str,
@@ -134,7 +134,7 @@ def block_saved(
 
 def last_block_saved_bytes(
     cfg: LlamaConfig,
-    b: Layout,
+    b: BatchShape,
     itemsize: int,
     input_grad: bool,
     device_type: str,
@@ -184,7 +184,7 @@ def last_block_saved_bytes(
     return everywhere + attention + per_row + projections
 
 
-def block_forward_work(cfg: LlamaConfig, b: Layout, itemsize: int) -> int:
+def block_forward_work(cfg: LlamaConfig, b: BatchShape, itemsize: int) -> int:
     """Temporaries at the peak of a forward through a block that saves nothing (frozen, or checkpointed).
 
     The SwiGLU product is the largest step: silu(gate), up and their product, with the block's input, its
@@ -205,12 +205,14 @@ def block_forward_work(cfg: LlamaConfig, b: Layout, itemsize: int) -> int:
     return max(ffn, attention, norm) + FP32 * n * cfg.head_dim + itemsize * n * d
 
 
-def trained_forward_work(cfg: LlamaConfig, b: Layout) -> int:
+def trained_forward_work(cfg: LlamaConfig, b: BatchShape) -> int:
     """Temporaries of a trained block's forward beyond what it saves: the float32 rotary arithmetic on q."""
     return 2 * FP32 * b.tokens * cfg.n_heads * cfg.head_dim
 
 
-def backward_work(cfg: LlamaConfig, b: Layout, itemsize: int, device_type: str, lora: bool = False) -> dict[str, int]:
+def backward_work(
+    cfg: LlamaConfig, b: BatchShape, itemsize: int, device_type: str, lora: bool = False
+) -> dict[str, int]:
     """Gradient temporaries of a block's backward beyond its saved tensors and weight gradients, at its two peaks.
 
     start: the gradient flowing down the residual stream and two of the SwiGLU's [tokens, ffn_dim] gradients (or
@@ -240,7 +242,7 @@ def backward_work(cfg: LlamaConfig, b: Layout, itemsize: int, device_type: str, 
     }
 
 
-def norm_saved_bytes(cfg: LlamaConfig, b: Layout, itemsize: int, input_grad: bool, lora: bool) -> int:
+def norm_saved_bytes(cfg: LlamaConfig, b: BatchShape, itemsize: int, input_grad: bool, lora: bool) -> int:
     """What a block's attention norm saves (the last thing its backward reaches): its output, its normalised vector
     unless its gain is frozen (LoRA), and its float32 input and 1/rms if its input needs a gradient."""
     n, d = b.tokens, cfg.dim
@@ -248,7 +250,7 @@ def norm_saved_bytes(cfg: LlamaConfig, b: Layout, itemsize: int, input_grad: boo
 
 
 def outside_blocks_saved_bytes(
-    cfg: LlamaConfig, b: Layout, itemsize: int, trained_blocks: int, num_classes: int, embedding_trains: bool
+    cfg: LlamaConfig, b: BatchShape, itemsize: int, trained_blocks: int, num_classes: int, embedding_trains: bool
 ) -> dict[str, int]:
     """Saved tensors outside the blocks: rotary tables, final norm, head, loss."""
     n, rows, d = b.tokens, b.texts, cfg.dim

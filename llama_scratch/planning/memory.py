@@ -30,8 +30,8 @@ from ..model.counts import ParamCounts, count_parameters
 from ..model.lora import LoRASettings
 from .activations import (
     FP32,
+    BatchShape,
     BlockSaved,
-    Layout,
     backward_work,
     block_forward_work,
     block_saved,
@@ -147,11 +147,11 @@ class PlanInputs:
         return len(trained_blocks(self.cfg.n_layers, self.train_last))
 
     @property
-    def layout(self) -> Layout:
-        """The micro-batch's shape: what the activations grow with (activations.Layout)."""
+    def layout(self) -> BatchShape:
+        """The micro-batch's shape: what the activations grow with (activations.BatchShape)."""
         if not self.packed:
-            return Layout.padded(self.batch_size, self.seq_len)
-        return Layout(self.batch_size, self.seq_len, self.tokens or self.batch_size * self.seq_len, packed=True)
+            return BatchShape.padded(self.batch_size, self.seq_len)
+        return BatchShape(self.batch_size, self.seq_len, self.tokens or self.batch_size * self.seq_len, packed=True)
 
 
 def quantized_bytes(scheme: str, shapes: tuple[tuple[int, int], ...]) -> int:
