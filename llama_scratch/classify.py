@@ -12,7 +12,6 @@ predicts every label at or above the run's threshold (classifier.json's, or `--t
 
 from __future__ import annotations
 
-import argparse
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -22,7 +21,7 @@ import torch
 from .checkpoints.atomic import write_text_atomic
 from .checkpoints.run_record import WEIGHTS_FILE, read_run
 from .checkpoints.weights import CheckpointError, copy_named_file
-from .cli import group, option, parse_settings
+from .cli import group, option, parse_settings, positive_int
 from .data.batching import TokenizedSplit, forward, length_sorted_batches, to_batch
 from .data.inputs import read_inputs
 from .data.labelled import SEPARATOR, DataError
@@ -204,13 +203,6 @@ def evaluation_report(truth: list[str], predicted: list[str], label_names: list[
 
 
 # ---------------------------------------------------------------------------------------------- command line
-
-
-def positive_int(text: str) -> int:
-    """An argparse type: 0 would make empty batches or cut every text to nothing."""
-    if not text.strip().isdigit() or int(text) < 1:
-        raise argparse.ArgumentTypeError(f"expected a positive whole number, got {text!r}")
-    return int(text)
 
 
 @dataclass

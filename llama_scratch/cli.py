@@ -80,6 +80,14 @@ def plain_warnings(*categories: type[Warning]) -> None:
     warnings.formatwarning = _format
 
 
+def positive_int(text: str) -> int:
+    """A flag's value that counts something (texts, tokens, steps): a whole number, at least 1 (0 would make empty
+    batches or cut every text to nothing)."""
+    if not text.strip().isdigit() or int(text) < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive whole number, got {text!r}")
+    return int(text)
+
+
 # ------------------------------------------------------------------------------------ settings objects -> flags
 #
 # A command's settings are one dataclass whose fields are dataclasses by concern (data, model, recipe, ...), each

@@ -14,21 +14,13 @@ from pathlib import Path
 import torch
 
 from .checkpoints.versions import upgraded
-from .cli import flag_of, from_json, group, option, parse_settings, settings_fields, settings_parser
+from .cli import flag_of, from_json, group, option, parse_settings, positive_int, settings_fields, settings_parser
 from .data.labelled import SEPARATOR
 from .model.lora import TARGETS, LoRASettings
 from .training.evaluation import SELECT_BY, THRESHOLDS
 from .training.loop import TrainSettings
 
 d = TrainSettings()
-
-
-def positive_int(text: str) -> int:
-    """A flag's value that counts something (tokens, steps): a whole number, at least 1."""
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be a positive whole number, got {value}")
-    return value
 
 
 @dataclass

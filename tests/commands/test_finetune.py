@@ -124,7 +124,7 @@ def test_batch_tokens_trains_plans_and_classifies_as_a_user_types_it(small_csv, 
     with pytest.raises(SystemExit) as refused:  # refused while parsing, in one line, as any bad flag's value
         finetune_classifier.main(args_for(small_csv, tmp_path / "bad", "--batch-tokens", "0"))
     assert refused.value.code == 2
-    assert "argument --batch-tokens: must be a positive whole number, got 0" in capsys.readouterr().err
+    assert "argument --batch-tokens: expected a positive whole number, got '0'" in capsys.readouterr().err
 
 
 @pytest.mark.slow
