@@ -1,12 +1,15 @@
 """The chapter notebooks run top to bottom on CPU, and their stored outputs hold nothing machine-specific.
 
-Each notebook is executed in a fresh `python3` kernel (from this environment) with `chapters/` as the working
-directory, exactly as a reader would run it; any error in any cell fails its test. Outputs are not written back.
+Each notebook is executed in a fresh `python3` kernel (from this environment) with its own folder as the working
+directory, exactly as Jupyter runs it for a reader: `chapters/` for a chapter, `chapters/solutions/` for the worked
+answers to a chapter's exercises, `chapters/appendix/` for reference notebooks. Any error in any cell fails its
+test. Outputs are not written back.
 
 To refresh the stored outputs after changing a notebook or the package (from the repository root):
 
     python tests/chapters/test_notebooks.py              # every chapter
     python tests/chapters/test_notebooks.py 03 07        # chapters whose names start with these
+    python tests/chapters/test_notebooks.py solutions/08 # a solutions notebook (appendix/ likewise)
 """
 
 from __future__ import annotations
@@ -24,6 +27,8 @@ import pytest
 ROOT = Path(__file__).resolve().parents[2]
 CHAPTERS = ROOT / "chapters"
 NOTEBOOKS = sorted(CHAPTERS.glob("[0-9][0-9]_*.ipynb"))
+# The worked answers (one notebook per chapter with exercises) and the reference notebooks, run like the chapters.
+EXTRAS = sorted(CHAPTERS.glob("solutions/*.ipynb")) + sorted(CHAPTERS.glob("appendix/*.ipynb"))
 KERNEL = "python3"
 CELL_TIMEOUT = 600  # seconds; the slowest cells (chapter 8's training) take about a minute on two CPU cores
 
@@ -40,7 +45,7 @@ def execute(path: Path) -> nbformat.NotebookNode:
         nb,
         timeout=CELL_TIMEOUT,
         kernel_name=KERNEL,
-        resources={"metadata": {"path": str(CHAPTERS)}},
+        resources={"metadata": {"path": str(path.parent)}},
         record_timing=False,
     )
     client.execute()
@@ -101,7 +106,12 @@ def test_chapters_are_numbered_in_reading_order():
     assert all(p.name in readme for p in NOTEBOOKS), "chapters/README.md lists every chapter"
 
 
-@pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.stem)
+def name(path: Path) -> str:
+    """`08_finetuning_sms_spam` for a chapter, `solutions/08_finetuning_sms_spam` for its answers."""
+    return path.relative_to(CHAPTERS).with_suffix("").as_posix()
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS + EXTRAS, ids=name)
 def test_stored_outputs_are_complete_and_portable(path):
     """Stored as executed top to bottom, with no path of the machine that ran it."""
     nb = nbformat.read(path, as_version=4)
@@ -115,14 +125,14 @@ def test_stored_outputs_are_complete_and_portable(path):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.stem)
+@pytest.mark.parametrize("path", NOTEBOOKS + EXTRAS, ids=name)
 def test_chapter_runs(path):
     execute(path)
 
 
 def main(prefixes: list[str]) -> int:
     """Execute the chosen chapters and store them with their outputs; print each one's time."""
-    chosen = [p for p in NOTEBOOKS if not prefixes or any(p.name.startswith(x) for x in prefixes)]
+    chosen = [p for p in NOTEBOOKS + EXTRAS if not prefixes or any(name(p).startswith(x) for x in prefixes)]
     total = 0.0
     for path in chosen:
         start = time.perf_counter()
@@ -131,8 +141,8 @@ def main(prefixes: list[str]) -> int:
         total += seconds
         nbformat.validate(nb)
         nbformat.write(nb, path)
-        print(f"{path.name:<40} {seconds:6.1f} s")
-    print(f"{'total':<40} {total:6.1f} s")
+        print(f"{name(path):<50} {seconds:6.1f} s")
+    print(f"{'total':<50} {total:6.1f} s")
     return 0
 
 
