@@ -73,6 +73,7 @@ from .training.run_dir import (
     start_output,
     write_results,
 )
+from .training.search import Searched, candidates_for, search
 from .training.steps import raise_epochs
 
 
@@ -235,6 +236,8 @@ def prepare(settings: FinetuneSettings, progress: Progress) -> tuple[Job, TrainS
     data, parts, protocol = read_data(settings.data, settings.recipe.seed, log)
     progress.phase = "finding the model"
     choice = choose_model(settings, strategy, log)
+    if settings.recipe.search:
+        refuse_search(choice, strategy)
     out = output.output or Path(strategy.on_main(lambda: str(default_output(choice.ref, settings.data.source))))
     log(f"output: {out}/")
     check_output(out, output.resume, output.overwrite)  # before anything is loaded or written
@@ -280,7 +283,12 @@ def run(settings: FinetuneSettings, progress: Progress | None = None) -> dict:
     log(f"training {n_train:,} of {held:,} parameters{in_bits} on {where}")
     # Sharded too: every process takes part in each frozen forward and keeps every text's states (prefix_cache).
     progress.phase = "running the frozen layers once per text (the frozen-prefix cache)"
-    if use_cache(settings.compute.cache_frozen, clf, {k: v.ids for k, v in splits.items()}, strategy, log):
+    cache = use_cache(settings.compute.cache_frozen, clf, {k: v.ids for k, v in splits.items()}, strategy, log)
+    searched = None
+    if settings.recipe.search:
+        progress.phase = "trying recipes (--search)"
+        clf, splits, searched = search_recipes(job, clf, splits, recipe, cache, log)
+    elif cache:
         splits = cache_splits(clf, splits, recipe.eval_rows, strategy)
     if settings.compute.compile:
         compile_token_wise(clf)
@@ -302,6 +310,8 @@ def run(settings: FinetuneSettings, progress: Progress | None = None) -> dict:
     progress.phase = "evaluating the best weights"
     log(kept_row(state.history, state.best_step, recipe.select_by, multi_label=job.data.multi_label))
     metrics = final_metrics(job, model, clf, splits, recipe, state)
+    if searched is not None:
+        metrics["search"] = {"chosen": searched.chosen.name, "candidates": searched.rows}
     run_id = strategy.on_main(new_run_id)
     progress.phase = "writing the results"
     save(out / WEIGHTS_FILE, {"run_id": run_id})  # every process: a sharded model is gathered tensor by tensor
@@ -310,8 +320,43 @@ def run(settings: FinetuneSettings, progress: Progress | None = None) -> dict:
     warn_if_one_class(metrics["val_accuracy"], parts["val"].labels, log, metrics.get("val_micro_f1"))
     warn_if_no_better(metrics, log)
     weights = f"epoch {metrics['best_epoch']}'s weights"
+    if searched is not None:
+        weights += f" of {searched.chosen.name}, chosen by --search"
     log(f"{final_line(metrics)}; {weights}); {metrics['seconds']:.0f} s. Results in {out}/")
     return metrics
+
+
+def refuse_search(choice: ModelChoice, strategy: Strategy) -> None:
+    """--search tries recipes for a pretrained model's own blocks, in one process: what it cannot do yet is
+    refused before anything loads, in one line."""
+    why = None
+    if choice.from_scratch:
+        why = "a model from scratch trains every block: there is no recipe of blocks to choose"
+    elif choice.lora is not None or choice.quantize:
+        why = "with --lora or --quantize the blocks' form is fixed when the model loads"
+    elif choice.train_last is None:
+        why = "--train-last all leaves no blocks to choose"
+    elif strategy.processes.several:
+        why = "it runs in one process (no torchrun yet)"
+    if why:
+        raise ValueError(f"--search: {why}; drop --search or that setting")
+
+
+def search_recipes(
+    job: Job, clf: LlamaClassifier, splits: dict[str, TokenizedSplit], recipe: TrainSettings, cache: bool, log
+) -> tuple[LlamaClassifier, dict[str, TokenizedSplit], Searched]:
+    """--search: try the candidates (training.search), then set the run up to train the chosen one: its rate in
+    the recipe, its blocks in the model's choice (what classifier.json and the resume identity record), and a fresh
+    head drawn from the run's seed on the backbone as it was loaded."""
+    asked = job.settings.recipe
+    typed_last = None if asked.train_last is None else chosen_train_last(asked.train_last, False)
+    candidates = candidates_for(len(clf.backbone.blocks), typed_last, asked.lr)
+    found = search(clf, splits, recipe, candidates, job.strategy, job.out, asked.search_minutes, cache, log)
+    recipe.lr = found.chosen.lr
+    job.choice.train_last = found.chosen.train_last
+    torch.manual_seed(recipe.seed)
+    chosen = LlamaClassifier(clf.backbone, clf.head.out_features, found.chosen.train_last, multi_label=clf.multi_label)
+    return chosen, found.splits or splits, found
 
 
 def check_resume_point(job: Job, settings: TrainSettings) -> None:

@@ -173,6 +173,15 @@ class RecipeSettings:
         choices=("none", "balanced"),
     )
     seed: int = option(d.seed, f"(default: {d.seed})")
+    search: bool = option(
+        False,
+        "first try a few recipes (which blocks train, the learning rate) for half the epochs each and keep the one "
+        "best on the validation split; --train-last or --lr typed stay fixed; the table goes to search.json and "
+        "metrics.json (default: off)",
+    )
+    search_minutes: float = option(
+        10.0, "with --search: start no new candidate past this many minutes (default: 10)", metavar="M"
+    )
 
 
 @dataclass

@@ -1,0 +1,278 @@
+"""`--search`: try a few recipes briefly on the validation split, then train the best one for the whole run.
+
+A recipe here is which blocks train and how fast they learn: the two settings that decide most of what a
+fine-tuned classifier reaches on a new task (benchmarks/RESULTS.md, "Recipes on the task suite"). Every candidate
+trains from the same pretrained weights, with the same seed, for half the run's epochs on the training split, and
+is scored by its best validation figure (`--select-by`); nothing here reads the test split.
+
+The candidates share the frozen-prefix cache. Frozen prefixes nest: the blocks below the last 8 are also below the
+last 2. So the bottom is run once per text up to where the candidate that trains most blocks starts, and each
+further candidate's states are those states carried up through the few blocks between (once per text again),
+instead of a pass through the whole frozen bottom per candidate.
+
+Each finished candidate is written to `search.json` in the run's folder as soon as it is scored, so an interrupted
+search resumed with `--resume` keeps every finished candidate and retries only the one it was in.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from ..checkpoints.atomic import write_text_atomic
+from ..data.batching import TokenizedSplit
+from ..model.classifier import LlamaClassifier
+from ..model.layout import Layout
+from ..model.llama import Llama
+from ..model.packing import assemble, layout_parts, to_device
+from ..parallel.strategy import Strategy
+from .evaluation import selection_key
+from .loop import TrainSettings, train
+from .prefix_cache import cache_splits
+
+SEARCH_FILE = "search.json"
+VERSION = 1
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """One recipe to try: the last `train_last` blocks (with the final norm and the head) train at peak rate `lr`."""
+
+    train_last: int
+    lr: float
+
+    @property
+    def name(self) -> str:
+        return f"last {self.train_last}, lr {self.lr:g}"
+
+
+# The default recipe first (ties go to the earlier candidate), then one more rate for it, then deeper fine-tuning
+# at rates that shrink as more blocks train (more weights moving at once need smaller steps to stay stable).
+CANDIDATES = (
+    Candidate(2, 2e-4),
+    Candidate(2, 1e-3),
+    Candidate(4, 1e-4),
+    Candidate(8, 5e-5),
+)
+
+
+def candidates_for(n_layers: int, train_last: int | None = None, lr: float | None = None) -> list[Candidate]:
+    """The candidates for a model of `n_layers` blocks. A recipe setting the user typed (`train_last`, `lr`) is
+    kept in every candidate, so the search varies only what was left to it; repeats are dropped."""
+    found: list[Candidate] = []
+    for c in CANDIDATES:
+        c = Candidate(train_last or min(c.train_last, n_layers), lr or c.lr)
+        if c not in found:
+            found.append(c)
+    return found
+
+
+def search_epochs(epochs: int) -> int:
+    """A candidate trains half the run's epochs (at least one): long enough to rank the recipes, which rarely swap
+    places later, at half the cost of a whole run each."""
+    return max(1, math.ceil(epochs / 2))
+
+
+@torch.no_grad()
+def carry_up(backbone: Llama, states: list[torch.Tensor], start: int, stop: int, rows: int) -> list[torch.Tensor]:
+    """Each text's residual stream [length, dim] after blocks[:start], carried through blocks[start:stop]: the
+    frozen-prefix states of a candidate that freezes more blocks, from those of one that freezes fewer. Texts go
+    through packed, `rows` at a time, each attending to itself only, exactly as the cache's own pass runs them."""
+    if start == stop:
+        return states
+    out: list[torch.Tensor] = [torch.empty(0)] * len(states)
+    order = sorted(range(len(states)), key=lambda i: len(states[i]))
+    for first in range(0, len(order), rows):
+        chosen = order[first : first + rows]
+        lengths = [len(states[i]) for i in chosen]
+        x = torch.cat([states[i] for i in chosen])[None]
+        texts = assemble(to_device(layout_parts(lengths), x.device), lengths)
+        y = backbone.run_blocks(x, Layout.packed(texts), start=start, stop=stop)[0]
+        for i, piece in zip(chosen, y.split(lengths), strict=True):
+            out[i] = piece.clone()
+    return out
+
+
+def states_for(splits: dict[str, TokenizedSplit], states: dict[int, torch.Tensor]) -> dict[str, TokenizedSplit]:
+    """The splits with each text's cached states replaced by `states[id(old tensor)]` (copies of one distinct text
+    share one tensor, as `cache_splits` made them, and keep sharing)."""
+    return {k: TokenizedSplit(v.ids, v.labels, [states[id(s)] for s in v.states], v.pad_id) for k, v in splits.items()}
+
+
+def read_record(out: Path) -> dict:
+    """The candidates already scored in this run's folder (`--resume`), by name; {} when none."""
+    path = out / SEARCH_FILE
+    if not path.exists():
+        return {}
+    record = json.loads(path.read_text(encoding="utf-8"))
+    if record.get("version") != VERSION:
+        raise ValueError(f"{path}: a search record of version {record.get('version')}, this code reads {VERSION}")
+    return {row["name"]: row for row in record["candidates"]}
+
+
+def write_record(out: Path, rows: list[dict], chosen: str | None, skipped: list[str]) -> None:
+    record = {"version": VERSION, "candidates": rows, "chosen": chosen, "skipped": skipped}
+    write_text_atomic(out / SEARCH_FILE, json.dumps(record, indent=2) + "\n")
+
+
+def best_of(rows: list[dict], select_by: str) -> dict:
+    """The candidate whose best validation figure is best under `select_by` (ties: the earlier, the default first)."""
+    return max(reversed(rows), key=lambda r: selection_key(r, select_by))
+
+
+def table(rows: list[dict], chosen: str, select_by: str) -> str:
+    """The candidates as the log shows them, the chosen one marked."""
+    lines = [f"  {'recipe':<22} {'val acc':>8} {'val loss':>9} {'best epoch':>10} {'seconds':>8}"]
+    for r in rows:
+        mark = "  <- chosen" if r["name"] == chosen else ""
+        line = f"  {r['name']:<22} {r['val_accuracy']:>8.2%} {r['val_loss']:>9.4f} {r['best_epoch']:>10}"
+        lines.append(f"{line} {r['seconds']:>8.0f}{mark}")
+    return f"search (by validation {select_by}):\n" + "\n".join(lines)
+
+
+@dataclass
+class Searched:
+    """What the search leaves the run: the chosen recipe, the candidates' rows, and the splits with the chosen
+    candidate's frozen-prefix states (None: not cached)."""
+
+    chosen: Candidate
+    rows: list[dict]
+    splits: dict[str, TokenizedSplit] | None
+
+
+def search(
+    clf: LlamaClassifier,
+    splits: dict[str, TokenizedSplit],
+    settings: TrainSettings,
+    candidates: list[Candidate],
+    strategy: Strategy,
+    out: Path,
+    minutes: float,
+    cache: bool,
+    log=print,
+    score: tuple[str, ...] = (),
+    epochs: int | None = None,
+) -> Searched:
+    """Train each candidate from `clf`'s backbone as it is now, score it on the validation split, and put the
+    backbone back as it was. `cache`: share the frozen-prefix states (see the module's docstring). `minutes`: no
+    new candidate starts once the ones so far, at their mean time, say it would end past this budget (the default
+    recipe always runs). `score`: other splits to evaluate each candidate's kept weights on, for benchmarks only
+    (benchmarks/recipes.py); the command never passes the test split. `epochs`: each candidate's (None: half the
+    run's, `search_epochs`; benchmarks/recipes.py trains them as long as a run). Resumed: candidates in
+    `search.json` are not trained again."""
+    backbone, num_classes, multi_label = clf.backbone, clf.head.out_features, clf.multi_label
+    n_layers = len(backbone.blocks)
+    deepest = max(c.train_last for c in candidates)
+    start = n_layers - deepest  # the first block any candidate trains: everything from it is put back after each
+    saved = {k: v.detach().clone() for k, v in backbone.state_dict().items() if is_from_block(k, start)}
+    saved |= {k: v.detach().clone() for k, v in backbone.final_norm.state_dict(prefix="final_norm.").items()}
+    done = read_record(out)
+    rows: list[dict] = []
+    skipped: list[str] = []
+    base_states: dict[int, torch.Tensor] | None = None  # id(text's states after blocks[:start]) -> them
+    cached: dict[int, dict[str, TokenizedSplit]] = {}  # frozen blocks -> the splits with their states
+    began = time.perf_counter()
+    spent: list[float] = []
+    epochs = epochs or search_epochs(settings.epochs)
+    log(f"searching {len(candidates)} recipes, {epochs} epoch{'s' * (epochs > 1)} each, within {minutes:g} minutes")
+    for c in candidates:
+        if c.name in done:
+            rows.append(done[c.name])
+            log(f"search: {c.name} was scored before this resume: val acc {done[c.name]['val_accuracy']:.2%}")
+            continue
+        elapsed = (time.perf_counter() - began) / 60
+        if rows and spent and elapsed + sum(spent) / len(spent) / 60 > minutes:
+            skipped.append(c.name)
+            log(f"search: skipping {c.name}: the {minutes:g}-minute budget would run out (--search-minutes)")
+            continue
+        frozen = n_layers - c.train_last
+        if cache and frozen not in cached:
+            if base_states is None:  # the bottom once, up to the deepest candidate's first trained block
+                deepest_clf = LlamaClassifier(backbone, num_classes, deepest, multi_label=multi_label)
+                base = cache_splits(deepest_clf, splits, settings.eval_rows, strategy)
+                base_states = {id(s): s for v in base.values() for s in v.states}
+                cached[start] = base
+            up = carry_up(backbone, list(base_states.values()), start, frozen, settings.eval_rows)
+            by_id = dict(zip(base_states, up, strict=True))
+            cached[frozen] = states_for(cached[start], by_id)
+        use = cached[frozen] if cache else splits
+        torch.manual_seed(settings.seed)  # every candidate's head starts from the same draw
+        candidate = LlamaClassifier(backbone, num_classes, c.train_last, multi_label=multi_label)
+        row, seconds = try_one(candidate, c, use, settings, epochs, strategy, out, log, score)
+        spent.append(seconds)
+        rows.append(row)
+        backbone.load_state_dict(saved, strict=False)  # the next candidate starts from the pretrained weights
+        write_record(out, rows, None, skipped)
+    chosen_row = best_of(rows, settings.select_by)
+    chosen = next(c for c in candidates if c.name == chosen_row["name"])
+    write_record(out, rows, chosen.name, skipped)
+    log(table(rows, chosen.name, settings.select_by))
+    final = None
+    if cache:
+        final = cached.get(n_layers - chosen.train_last)
+        if final is None:  # every candidate was read back from a resumed search: the chosen one's pass only
+            final = cache_splits(
+                LlamaClassifier(backbone, num_classes, chosen.train_last), splits, settings.eval_rows, strategy
+            )
+    return Searched(chosen, rows, final)
+
+
+def is_from_block(key: str, start: int) -> bool:
+    """Whether a backbone state-dict key belongs to a block numbered `start` or above."""
+    parts = key.split(".")
+    return parts[0] == "blocks" and int(parts[1]) >= start
+
+
+def try_one(
+    clf: LlamaClassifier,
+    c: Candidate,
+    splits: dict[str, TokenizedSplit],
+    settings: TrainSettings,
+    epochs: int,
+    strategy: Strategy,
+    out: Path,
+    log,
+    score: tuple[str, ...],
+) -> tuple[dict, float]:
+    """Train one candidate in a scratch folder of the run's (its resume points are not kept) and return its row."""
+    from .evaluation import evaluate
+
+    began = time.perf_counter()
+    s = dataclasses.replace(settings, lr=c.lr, epochs=epochs, max_steps=None, patience=None, eval_every=None)
+    kept: dict[str, torch.Tensor] = {}
+
+    def keep(epoch: int) -> None:  # the best epoch's trained weights, in memory
+        kept.clear()
+        kept.update({k: v.detach().clone() for k, v in clf.trainable_parameters().items()})
+
+    log(f"search: training {c.name}")
+    with tempfile.TemporaryDirectory(dir=out, prefix="search-") as scratch:
+        state = train(clf, splits, s, strategy, Path(scratch), on_best=keep, log=lambda line: log(f"  {line}"))
+    best = next(r for r in state.history if r["step"] == state.best_step)
+    row = {
+        "name": c.name,
+        "train_last": c.train_last,
+        "lr": c.lr,
+        "epochs": epochs,
+        "best_epoch": state.best_epoch,
+        "val_accuracy": best["val_accuracy"],
+        "val_loss": best["val_loss"],
+        "val_macro_f1": best.get("val_macro_f1"),
+    }
+    if score:
+        with torch.no_grad():
+            for name, p in clf.trainable_parameters().items():
+                p.copy_(kept[name])
+        for split in score:
+            found = evaluate(clf, splits[split], s, strategy, f"{c.name} {split}")
+            row[f"{split}_accuracy"] = found["accuracy"]
+    seconds = time.perf_counter() - began
+    row["seconds"] = seconds
+    return row, seconds
