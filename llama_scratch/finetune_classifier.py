@@ -356,6 +356,8 @@ def search_recipes(
     job.choice.train_last = found.chosen.train_last
     torch.manual_seed(recipe.seed)
     chosen = LlamaClassifier(clf.backbone, clf.head.out_features, found.chosen.train_last, multi_label=clf.multi_label)
+    n_train = sum(p.numel() for p in chosen.trainable_parameters().values())
+    log(f"training {found.chosen.name} for the run: {n_train:,} parameters")
     return chosen, found.splits or splits, found
 
 

@@ -166,9 +166,10 @@ def warn_if_no_better(metrics: dict, log) -> None:
     if baseline is None or metrics["test_accuracy"] > baseline:
         return
     what = "exact match" if metrics["multi_label"] else "test accuracy"
+    first = "" if "search" in metrics else "--search (a few recipes tried on the validation split), "
     log(
         "note: a bag-of-words logistic regression does at least as well on this test split "
-        f"({what} {baseline:.2%} against the model's {metrics['test_accuracy']:.2%}). Try training more of the model "
-        "(--train-last 6, or --lora 8 --train-last all), more epochs, or a larger --model; a task decided by a few "
-        "words may need no more than the baseline"
+        f"({what} {baseline:.2%} against the model's {metrics['test_accuracy']:.2%}). Try {first}training more of "
+        "the model (--train-last 6, or --lora 8 --train-last all), more epochs, or a larger --model; a task decided "
+        "by a few words may need no more than the baseline"
     )
