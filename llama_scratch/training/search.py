@@ -210,6 +210,12 @@ def search(
         rows.append(row)
         backbone.load_state_dict(saved, strict=False)  # the next candidate starts from the pretrained weights
         write_record(out, rows, None, skipped)
+        # Memory: keep the shared bottom's states and the best candidate's so far (the final run trains on those).
+        leader = (
+            n_layers - next(x for x in candidates if x.name == best_of(rows, settings.select_by)["name"]).train_last
+        )
+        for level in [k for k in cached if k not in (start, leader)]:
+            del cached[level]
     chosen_row = best_of(rows, settings.select_by)
     chosen = next(c for c in candidates if c.name == chosen_row["name"])
     write_record(out, rows, chosen.name, skipped)
