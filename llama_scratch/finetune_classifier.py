@@ -52,7 +52,14 @@ from .sources.resolve import (
 from .training import resume_points
 from .training.baseline import bag_of_words, warn_if_no_better
 from .training.board import open_board
-from .training.evaluation import evaluate, final_figures, final_line, kept_row, warn_if_one_class
+from .training.evaluation import (
+    evaluate,
+    final_figures,
+    final_line,
+    kept_row,
+    warn_if_one_class,
+    warn_if_overfit,
+)
 from .training.interrupts import sigterm_as_ctrl_c
 from .training.loop import (
     TrainingDiverged,
@@ -318,6 +325,7 @@ def run(settings: FinetuneSettings, progress: Progress | None = None) -> dict:
     meta = functools.partial(classifier_meta, job, clf, tokenizer_ref, max_length, recipe, metrics.get("threshold"))
     strategy.on_main(lambda: write_results(out, run_id, metrics, meta(), state.history))  # rank 0 writes
     warn_if_one_class(metrics["val_accuracy"], parts["val"].labels, log, metrics.get("val_micro_f1"))
+    warn_if_overfit(metrics, log)
     warn_if_no_better(metrics, log)
     weights = f"epoch {metrics['best_epoch']}'s weights"
     if searched is not None:

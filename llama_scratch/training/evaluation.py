@@ -315,6 +315,22 @@ def per_step(history: list[dict]) -> bool:
     return len({r["epoch"] for r in history}) < len(history)
 
 
+OVERFIT_GAP = 0.10  # train accuracy this far above validation's: the weights learned the training rows themselves
+
+
+def warn_if_overfit(metrics: dict, log) -> None:
+    """Say so when the kept weights score far better on the training split than on validation: they fit the
+    training rows rather than the task, and the test figure is validation's, not training's, to expect."""
+    train, val = metrics.get("train_accuracy"), metrics.get("val_accuracy")
+    if train is None or val is None or train - val <= OVERFIT_GAP:
+        return
+    log(
+        f"note: train accuracy {train:.2%} is far above validation's {val:.2%} (epoch {metrics['best_epoch']}'s "
+        "weights, kept for the best validation figure): the model fits its training rows more than the task. Try "
+        "fewer trained blocks or epochs, a lower --lr, more data, or --search"
+    )
+
+
 def warn_if_one_class(val_accuracy: float, val_labels: list, log, val_micro_f1: float | None = None) -> None:
     """A model that learned nothing predicts the commonest class; its accuracy is then that class's share.
 

@@ -77,3 +77,14 @@ def test_every_run_reports_the_baseline_beside_its_own_figure(small_csv, tmp_pat
     # A tiny model trained one epoch from random weights does not beat words that tell spam: the run says so.
     assert metrics["test_accuracy"] < found["test_accuracy"]
     assert "note: a bag-of-words logistic regression does at least as well on this test split" in logged
+
+
+def test_a_run_that_fits_its_training_rows_says_so():
+    """The issue's own case (train 92.8% against validation 75.3%, epoch 3 kept) gets a note; SMS's does not."""
+    from llama_scratch.training.evaluation import warn_if_overfit
+
+    lines: list[str] = []
+    warn_if_overfit({"train_accuracy": 0.928, "val_accuracy": 0.753, "best_epoch": 3}, lines.append)
+    assert len(lines) == 1 and "92.80%" in lines[0] and "75.30%" in lines[0] and "epoch 3" in lines[0]
+    warn_if_overfit({"train_accuracy": 0.9981, "val_accuracy": 0.9933, "best_epoch": 3}, lines.append)
+    assert len(lines) == 1
