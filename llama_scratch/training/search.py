@@ -33,7 +33,7 @@ from ..model.layout import Layout
 from ..model.llama import Llama
 from ..model.packing import assemble, layout_parts, to_device
 from ..parallel.strategy import Strategy
-from .evaluation import selection_key
+from .evaluation import evaluate, selection_key
 from .loop import TrainSettings, train
 from .prefix_cache import cache_splits
 
@@ -248,8 +248,6 @@ def try_one(
     score: tuple[str, ...],
 ) -> tuple[dict, float]:
     """Train one candidate in a scratch folder of the run's (its resume points are not kept) and return its row."""
-    from .evaluation import evaluate
-
     began = time.perf_counter()
     s = dataclasses.replace(settings, lr=c.lr, epochs=epochs, max_steps=None, patience=None, eval_every=None)
     kept: dict[str, torch.Tensor] = {}
