@@ -650,6 +650,150 @@ def nf4_block(out: Path) -> Path:
     return save(fig, out, "nf4_block")
 
 
+# --- chapter 3 (issue 40) ---
+
+
+def causal_mask(out: Path) -> Path:
+    """Chapter 3: the causal mask of a six-token text; query t reads keys 0..t, the rest get weight exactly 0."""
+    words = ["The", "cat", "sat", "on", "the", "mat"]
+    n = len(words)
+    fig, ax = canvas(9.0, 3.9)
+    cw, x0, y0 = 0.42, 1.3, 2.7  # y0: the top row's bottom edge
+    label(ax, x0 + n * cw / 2, 3.72, "keys: the tokens looked at", fs=8.5, weight="bold")
+    for s, word in enumerate(words):
+        label(ax, x0 + s * cw + cw / 2, y0 + cw + 0.12, f"{s}\n{word}", fs=7, va="bottom")
+    for t, word in enumerate(words):
+        y = y0 - t * cw
+        label(ax, x0 - 0.08, y + cw / 2, f"{word} {t}", fs=7, ha="right")
+        for s in range(n):
+            seen = s <= t
+            cell(ax, x0 + s * cw, y, cw, cw, CHANGED if seen else "white", "" if seen else "-inf", fs=6.5)
+    label(ax, 0.35, y0 - (n / 2 - 1) * cw, "queries", fs=8.5, weight="bold", rotation=90)
+    steps = [
+        "scores = q k^T / sqrt(head_dim): every query against every key, [T, T]",
+        "masked_fill(~mask, -inf): a key after the query is forbidden (white)",
+        "softmax per row: exp(-inf) = 0, so a forbidden key gets weight exactly 0,",
+        "and the weights of the keys a query may read (orange) sum to 1",
+        "",
+        "row t reads keys 0..t: no token sees the ones after it, so predicting",
+        "the next token from each position is never cheating, and one pass",
+        f"over a text trains all {n} next-token predictions at once",
+        "",
+        "mask = torch.ones(T, T, dtype=torch.bool).tril()   (lower triangle)",
+    ]
+    for k, text in enumerate(steps):
+        label(ax, 4.3, 3.45 - k * 0.3, text, fs=7.8, ha="left")
+    return save(fig, out, "causal_mask")
+
+
+def padding_masks(out: Path) -> Path:
+    """Chapter 3: a 3-token text in a batch of length 5, padded right and left: which keys each query may read."""
+    n, width = 3, 5
+    fig, ax = canvas(9.0, 4.3)
+    cw = 0.4
+    for side, x0 in (("right", 0.9), ("left", 5.3)):
+        first = 0 if side == "right" else width - n
+        real = [first <= c < first + n for c in range(width)]
+        positions = [max(c - first, 0) if real[c] else 0 for c in range(width)]
+        if side == "right":
+            positions = list(range(width))
+        names = [f"t{c - first + 1}" if real[c] else "pad" for c in range(width)]
+        title = (
+            "padded on the right: the causal mask alone"
+            if side == "right"
+            else "padded on the left: causal AND pads hidden"
+        )
+        label(ax, x0 + width * cw / 2 + 0.3, 4.15, title, fs=8.5, weight="bold")
+        y0 = 3.0
+        for s in range(width):
+            label(ax, x0 + s * cw + cw / 2, y0 + cw + 0.05, names[s], fs=7, va="bottom")
+        for t in range(width):
+            y = y0 - t * cw
+            label(ax, x0 - 0.08, y + cw / 2, names[t], fs=7, ha="right")
+            for s in range(width):
+                # left: causal, and no pad key, except a pad's own position (no row of the mask may be empty)
+                seen = s <= t if side == "right" else (s <= t and real[s]) or s == t
+                hidden_pad = side == "left" and s <= t and not real[s] and s != t
+                fc = (CHANGED if real[t] else PAD) if seen else ("#f5c6c0" if hidden_pad else "white")
+                cell(ax, x0 + s * cw, y, cw, cw, fc, "pad" if hidden_pad else "", fs=6, color=RED)
+            if not real[t]:
+                label(ax, x0 + width * cw + 0.08, y + cw / 2, "output unused", fs=6.5, ha="left", color="#777777")
+        y_pos = y0 - (width - 1) * cw - 0.22
+        label(ax, x0 - 0.08, y_pos, "position", fs=7, ha="right")
+        for s in range(width):
+            label(ax, x0 + s * cw + cw / 2, y_pos, str(positions[s]), fs=7)
+    notes = [
+        (
+            0.9,
+            "The real tokens come first: every key to their left is real,\nso they read exactly the text alone. "
+            "The pads' rows\nread real tokens too, but nobody reads the pads' outputs.",
+        ),
+        (
+            5.3,
+            "The pads come first: causal alone would let t1..t3 read them\n(red). The padding mask hides pad keys, "
+            "and positions count\nfrom each text's first real token: t1 is at position 0 again.",
+        ),
+    ]
+    for x, text in notes:
+        label(ax, x - 0.6, 0.45, text, fs=7.5, ha="left")
+    legend = [
+        (CHANGED, "a real token reads this key"),
+        (PAD, "a pad's row"),
+        ("#f5c6c0", "a pad key, hidden by the mask"),
+        ("white", "after the query: causal"),
+    ]
+    for k, (fc, text) in enumerate(legend):
+        cell(ax, 0.5 + k * 2.15, 3.7, 0.22, 0.18, fc)
+        label(ax, 0.8 + k * 2.15, 3.79, text, fs=7, ha="left")
+    return save(fig, out, "padding_masks")
+
+
+def gqa_kv_cache(out: Path) -> Path:
+    """Chapter 3: the KV cache of one block of Llama-3-8B, one key head per query head against grouped-query heads."""
+    cfg = LlamaConfig.from_name("llama3-8b")
+    q, kv, hd, layers = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.n_layers
+    group, tokens = q // kv, 8
+    fig, ax = canvas(9.0, 4.4)
+    title = f"The keys one block of Llama-3-8B caches for {tokens} tokens (the values: the same again)"
+    label(ax, 4.5, 4.2, title, fs=9, weight="bold")
+    ch, cw = 0.085, 0.26
+    panels = (
+        (0.9, q, f"one key head per query head: {q} key heads"),
+        (5.4, kv, f"grouped-query: {kv} key heads, each read by {group} query heads"),
+    )
+    for x0, heads, title in panels:
+        top = 3.75
+        label(ax, x0 + tokens * cw / 2, top + 0.12, title, fs=8, va="bottom")
+        for h in range(heads):  # one row of cells per key head, the same height on both sides
+            colour = GROUP_COLOURS[h // group if heads == q else h]
+            for p in range(tokens):
+                cell(ax, x0 + p * cw, top - (h + 1) * ch, cw, ch, colour, ec="white")
+        if heads == kv:  # the outline of what one key head per query head would take
+            outline = Rectangle((x0, top - q * ch), tokens * cw, q * ch, fc="none", ec="#999999", lw=1, ls="--")
+            ax.add_patch(outline)
+            label(ax, x0 + tokens * cw / 2, top - (q + kv) * ch / 2, f"{group}x smaller", fs=10, color="#777777")
+        bottom = top - q * ch
+        for p in range(tokens):
+            label(ax, x0 + p * cw + cw / 2, bottom - 0.12, str(p), fs=6.5)
+        label(ax, x0 + tokens * cw / 2, bottom - 0.32, "position: one more column per generated token", fs=7)
+        per_token = 2 * layers * heads * hd * cfg.dtype.itemsize
+        sizes = (
+            f"per token, keys and values of {layers} blocks:\n2 x {layers} x {heads} x {hd} x 2 bytes = "
+            f"{per_token // 1024:,} KiB;  8,192 tokens: {per_token * 8192 / 2**30:g} GiB"
+        )
+        label(ax, x0 + tokens * cw / 2, bottom - 0.7, sizes, fs=7.5)
+        label(ax, x0 - 0.08, top - heads * ch / 2, f"{heads} key\nheads", fs=7, ha="right")
+    label(
+        ax,
+        5.4 + tokens * cw + 0.1,
+        3.75 - kv * ch / 2,
+        f"one row per key head;\nrow g serves query heads\n{group}g to {group}g + {group - 1}",
+        fs=7,
+        ha="left",
+    )
+    return save(fig, out, "gqa_kv_cache")
+
+
 FIGURES = [
     llama3_vs_gpt2_block,
     gqa_shapes,
@@ -661,6 +805,9 @@ FIGURES = [
     lora_vs_full,
     kv_cache,
     nf4_block,
+    causal_mask,
+    padding_masks,
+    gqa_kv_cache,
 ]
 
 
