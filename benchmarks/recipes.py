@@ -165,6 +165,25 @@ def trainer(weights: Path, parts: dict, max_length: int, train_rows: int, seed: 
     }
 
 
+def markdown(record: dict) -> str:
+    """The results as RESULTS.md's table: per task, the baseline, each candidate's test accuracy (the default
+    first), the one --search would keep (the best validation figure) and the Trainer's, in points."""
+    tasks = record["tasks"]
+    names = [r["name"] for r in max(tasks.values(), key=lambda t: len(t["rows"]))["rows"]]
+    head = ["task", "train/val/test", "bag-of-words", *names, "best on val", "Trainer"]
+    lines = ["| " + " | ".join(head) + " |", "| --- |" + " ---: |" * (len(head) - 1)]
+    for task, t in tasks.items():
+        by_name = {r["name"]: r for r in t["rows"]}
+        best = max(reversed(t["rows"]), key=lambda r: (r["val_accuracy"], -r["val_loss"]))
+        sizes = "/".join(str(t["split_sizes"][k]) for k in ("train", "val", "test"))
+        cells = [f"{by_name[n]['test_accuracy']:.1%}" if n in by_name else "" for n in names]
+        trainer = f"{t['trainer']['test_accuracy']:.1%}" if "trainer" in t else ""
+        chosen = f"{best['test_accuracy']:.1%} ({best['name']})" if len(t["rows"]) > 1 else ""
+        row = [task, sizes, f"{t['baseline']['test_accuracy']:.1%}", *cells, chosen, trainer]
+        lines.append("| " + " | ".join(row) + " |")
+    return "\n".join(lines)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--tasks", help="comma-separated task names (default: every task built)")
@@ -178,7 +197,11 @@ def main() -> None:
     parser.add_argument("--trainer", action="store_true", help="also run transformers' Trainer on each task")
     parser.add_argument("--trainer-rows", type=int, default=600, help="its training rows at most (default: 600)")
     parser.add_argument("--json", type=Path, default=SUITE / "recipes.json", help="where the results go")
+    parser.add_argument("--table", action="store_true", help="print --json's results as a markdown table, run nothing")
     args = parser.parse_args()
+    if args.table:
+        print(markdown(json.loads(args.json.read_text())))
+        return
     record = json.loads(args.json.read_text()) if args.json.exists() else {"tasks": {}}
     built = json.loads((SUITE / "tasks.json").read_text())["tasks"]
     names = args.tasks.split(",") if args.tasks else [t["name"] for t in built]
