@@ -4,10 +4,10 @@ token ids -> embedding -> n_layers x Block(RMSNorm -> attention -> add, RMSNorm 
           -> final RMSNorm -> output projection -> next-token logits
 
 Chapter 2 reads RMSNorm and the rotary embedding, chapter 3 attention, chapter 4 the feed-forward layer, the block
-and the whole model. Chapter 6 loads SmolLM2's weights into `OurLlama`, chapter 7 puts the head on it
-(`OurClassifier`), chapter 8 takes a training step with that, chapter 10 generates text with `generate`. Each of
-those chapters checks it against the package, `llama_scratch`, and so does `tests/chapters/test_our_llama.py`. Change
-anything here and they tell you whether it still computes Llama-3.
+and the whole model. Chapter 6 loads SmolLM2's weights into `OurLlama` (its loop is `load_checkpoint`, at the end),
+chapter 7 puts the head on it (`OurClassifier`), chapter 8 trains that on SMS spam, chapter 10 generates text with
+`generate`. Each of those chapters checks it against the package, `llama_scratch`, and so does
+`tests/chapters/test_our_llama.py`. Change anything here and they tell you whether it still computes Llama-3.
 
 What it leaves to the package, each time for the simplest code that computes the same numbers:
 - Attention is written out (scores, mask, softmax, weighted values: chapter 3) where the package calls the fused
@@ -27,13 +27,17 @@ translation, `llama_scratch.checkpoints.hf_layout.hf_to_ours` (chapter 6).
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Collection
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+from safetensors import safe_open
 from torch import nn
 
+from llama_scratch.checkpoints.hf_layout import hf_to_ours  # a checkpoint's tensor names -> ours (chapter 6)
 from llama_scratch.model.config import LlamaConfig, RopeScaling  # only numbers: widths, heads, theta, ...
 
 
@@ -233,3 +237,28 @@ class OurClassifier(nn.Module):
         else:  # the largest position whose mask is 1, whichever side the padding is on
             last = (attention_mask.to(hidden.device).long() * torch.arange(T, device=hidden.device)).argmax(-1)
         return self.head(hidden[torch.arange(B, device=hidden.device), last])
+
+
+def load_checkpoint(checkpoint: str | Path, dtype: torch.dtype = torch.float32) -> OurLlama:
+    """A Hugging Face-layout checkpoint directory (config.json and *.safetensors) as an `OurLlama` in `dtype`.
+
+    Chapter 6's streaming loader, kept here so that a later chapter builds your model from real weights in one
+    line: the model is made on the meta device (no memory, no random values), then each tensor of each file is
+    read alone, converted and put in place under its name, so memory holds the model and one tensor in transit.
+    """
+    checkpoint = Path(checkpoint)
+    cfg = dataclasses.replace(LlamaConfig.from_hf(checkpoint), dtype=dtype)
+    with torch.device("meta"):
+        model = OurLlama(cfg)
+    for shard in sorted(checkpoint.glob("*.safetensors")):
+        with safe_open(shard, framework="pt") as f:  # reads the header only
+            for hf_name in f.keys():  # noqa: SIM118 (safe_open has keys() but cannot be iterated)
+                module_name, _, attr = hf_to_ours(hf_name).rpartition(".")
+                tensor = f.get_tensor(hf_name).to(dtype)  # reads this tensor's bytes
+                setattr(model.get_submodule(module_name), attr, nn.Parameter(tensor))
+    if cfg.tie_embeddings:  # the file holds the shared matrix once, as the embedding
+        model.lm_head.weight = model.embed_tokens.weight
+    missing = [name for name, p in model.named_parameters() if p.is_meta]
+    if missing:
+        raise ValueError(f"{checkpoint} holds no tensor for {', '.join(missing[:3])}")
+    return model

@@ -794,6 +794,115 @@ def gqa_kv_cache(out: Path) -> Path:
     return save(fig, out, "gqa_kv_cache")
 
 
+# --- chapter 8 (issue 40) ---
+
+
+def training_step(out: Path) -> Path:
+    """Chapter 8: one optimizer step of your classifier on cached states: forward, loss, backward, update."""
+    dim, n_layers, batch = 576, 30, 8  # SmolLM2-135M's width and depth (its config.json), the chapter's batch
+    fig, ax = canvas(9.0, 4.6)
+    label(ax, 1.75, 4.35, "1. forward", fs=9.5, weight="bold")
+    chain = [
+        (0.35, f"a batch of cached states [{batch}, T, {dim}]\nand its mask [{batch}, T]", CACHE),
+        (1.25, f"block {n_layers - 1}, the last (trained)\n-> [{batch}, T, {dim}]", TRAINED),
+        (2.15, f"final RMSNorm (trained), read at each\ntext's last real token -> [{batch}, {dim}]", TRAINED),
+        (3.05, f"head (trained): {dim} -> 2\nscores [{batch}, 2]", TRAINED),
+    ]
+    for y, text, fc in chain:
+        box(ax, 0.2, y, 3.1, 0.65, text, fc=fc, fs=8)
+    for (y, *_), (y2, *_) in zip(chain, chain[1:], strict=False):
+        arrow(ax, (1.75, y + 0.65), (1.75, y2))
+    label(ax, 4.95, 4.35, "2. loss", fs=9.5, weight="bold")
+    box(ax, 3.8, 3.05, 2.3, 0.65, f"cross-entropy with the\nlabels [{batch}] -> one number", fs=8)
+    arrow(ax, (3.3, 3.37), (3.8, 3.37))
+    label(ax, 4.95, 2.75, "how wrong the scores are,\naveraged over the batch", fs=7.5, va="top")
+    label(ax, 4.95, 1.75, "3. backward", fs=9.5, weight="bold", color=RED)
+    arrow(ax, (3.8, 3.2), (3.3, 1.6), color=RED, ls="--", rad=-0.25)
+    label(
+        ax,
+        4.95,
+        1.4,
+        "loss.backward(): every trained\nweight gets .grad, a tensor of\nits own shape; the cache and\n"
+        f"blocks 0-{n_layers - 2} (frozen) get none",
+        fs=7.5,
+        va="top",
+        color=RED,
+    )
+    label(ax, 7.55, 4.35, "4. update", fs=9.5, weight="bold")
+    box(
+        ax,
+        6.5,
+        2.45,
+        2.35,
+        1.25,
+        "optimizer.step(), AdamW:\nw -= lr * (m / (sqrt(v) + eps)\n          + weight_decay * w)\n"
+        "m, v: running means of grad\nand grad^2, two more tensors\nthe shape of each weight",
+        fs=7.5,
+    )
+    arrow(ax, (6.1, 3.37), (6.5, 3.37))
+    box(ax, 6.5, 1.45, 2.35, 0.65, "optimizer.zero_grad():\nforget this step's .grad", fs=7.5)
+    arrow(ax, (7.67, 2.45), (7.67, 2.1))
+    arrow(ax, (7.67, 1.45), (3.3, 0.67), rad=-0.15)
+    label(ax, 6.3, 0.55, "the next batch", fs=8)
+    return save(fig, out, "training_step")
+
+
+def batch_layout(out: Path) -> Path:
+    """Chapter 8: texts sorted by length for the frozen pass; a training batch of cached states, padded, masked."""
+    cw, ch = 0.27, 0.27
+    fig, ax = canvas(9.0, 4.5)
+    label(ax, 2.0, 4.3, "The frozen pass: texts sorted by length", fs=9.5, weight="bold")
+    label(ax, 2.0, 4.05, "token ids through blocks 0 .. L-2, once (here 4 texts a batch)", fs=7.5)
+    sorted_lengths = [2, 3, 3, 4, 6, 7, 7, 9]  # two batches of four neighbours: little padding
+    y = 3.6
+    for start in (0, 4):
+        batch = sorted_lengths[start : start + 4]
+        for length in batch:
+            for col in range(max(batch)):
+                cell(ax, 0.3 + col * cw, y, cw, ch, PLAIN if col < length else PAD, "" if col < length else "pad", fs=5)
+            y -= ch + 0.04
+        y -= 0.18
+    label(ax, 0.3 + 9 * cw + 0.15, 3.2, "batch 1", fs=7.5, ha="left")
+    label(ax, 0.3 + 9 * cw + 0.15, 2.05, "batch 2", fs=7.5, ha="left")
+    label(
+        ax,
+        2.0,
+        0.75,
+        "neighbours in length order pad little;\n"
+        "each text's states are kept without\nits pads: one [length, dim] tensor",
+        fs=7.5,
+    )
+    arrow(ax, (3.2, 2.6), (4.3, 2.6))
+    label(ax, 3.75, 2.8, "the cache", fs=7.5)
+    label(ax, 6.7, 4.3, "A training batch: cached texts drawn at random", fs=9.5, weight="bold")
+    rows = [(3, "ham"), (7, "spam"), (5, "spam"), (2, "ham")]
+    width = max(n for n, _ in rows)
+    x0 = 5.0
+    label(ax, x0 + width * cw / 2, 3.95, "states [4, 7, dim], right-padded", fs=7.5)
+    label(ax, x0 + width * cw + 0.75, 3.95, "mask [4, 7]", fs=7.5)
+    for r, (n, name) in enumerate(rows):
+        y = 3.35 - r * 0.45
+        for col in range(width):
+            last = col == n - 1
+            fc = TRAINED if last else (CACHE if col < n else PAD)
+            cell(ax, x0 + col * cw, y, cw, ch, fc, "" if col < n else "pad", fs=5)
+        mask = " ".join("1" if col < n else "0" for col in range(width))
+        label(ax, x0 + width * cw + 0.1, y + ch / 2, mask, fs=7, ha="left", family="monospace")
+        label(ax, x0 - 0.1, y + ch / 2, name, fs=7, ha="right")
+    label(
+        ax,
+        6.7,
+        1.35,
+        "the mask keeps the pads out of every real token's attention;\n"
+        "the head reads position mask.sum(1) - 1 (orange),\n"
+        "each text's last real token, the one that has read it all",
+        fs=7.5,
+    )
+    box(ax, 5.4, 0.25, 2.6, 0.5, "last block, final norm, head\n-> scores [4, 2]", fc=TRAINED, fs=7.5)
+    arrow(ax, (6.7, 1.0), (6.7, 0.75))
+    return save(fig, out, "batch_layout")
+
+
 FIGURES = [
     llama3_vs_gpt2_block,
     gqa_shapes,
@@ -808,6 +917,8 @@ FIGURES = [
     causal_mask,
     padding_masks,
     gqa_kv_cache,
+    training_step,
+    batch_layout,
 ]
 
 

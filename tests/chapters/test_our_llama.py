@@ -9,7 +9,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from llama_scratch import Llama, LlamaClassifier, LlamaConfig
+from llama_scratch import Llama, LlamaClassifier, LlamaConfig, load_model, save_checkpoint
 from llama_scratch.generate import generate
 from llama_scratch.model import llama as package
 from llama_scratch.model.config import RopeScaling
@@ -107,3 +107,16 @@ def test_one_training_step_equals_the_package():
         clear = p.grad.abs() >= 100 * 1e-8
         assert clear.float().mean() > 0.9, name
         torch.testing.assert_close(ours_params[name][clear], p[clear], msg=name)
+
+
+@pytest.mark.parametrize("name", ["grouped-query, untied", "tied embeddings"])
+def test_load_checkpoint_equals_the_package(name, tmp_path):
+    """`load_checkpoint` (chapter 8 builds your model with it) holds every tensor the package's loader holds."""
+    cfg = CONFIGS[name]
+    torch.manual_seed(0)
+    saved = save_checkpoint(Llama(cfg), cfg, tmp_path / "ckpt")
+    theirs = load_model(saved, dtype=torch.float32, progress=False)
+    ours = our_llama.load_checkpoint(saved)
+    assert ours.state_dict().keys() == theirs.state_dict().keys()
+    assert all(torch.equal(ours.state_dict()[n], p) for n, p in theirs.state_dict().items())
+    assert (ours.lm_head.weight is ours.embed_tokens.weight) == cfg.tie_embeddings
