@@ -419,7 +419,7 @@ def prefix_cache_loop(out: Path) -> Path:
     """Chapter 8: the frozen bottom runs once per distinct text; each step runs only the trained top and the head."""
     fig, ax = canvas(9.0, 4.3)
     label(ax, 2.0, 4.1, "Once per distinct text", fs=9.5, weight="bold")
-    label(ax, 2.0, 3.85, "(prefix_cache.compute_frozen_states)", fs=7.5)
+    label(ax, 2.0, 3.85, "(before training: the frozen pass, its output kept)", fs=7.5)
     column = [
         (0.3, "token ids", PLAIN),
         (0.95, "embedding (frozen)", FROZEN),
