@@ -80,7 +80,7 @@ from .training.run_dir import (
     start_output,
     write_results,
 )
-from .training.search import Searched, candidates_for, search
+from .training.search import Searched, candidates_for, search, why_not
 from .training.steps import raise_epochs
 
 
@@ -243,8 +243,11 @@ def prepare(settings: FinetuneSettings, progress: Progress) -> tuple[Job, TrainS
     data, parts, protocol = read_data(settings.data, settings.recipe.seed, log)
     progress.phase = "finding the model"
     choice = choose_model(settings, strategy, log)
-    if settings.recipe.search:
-        refuse_search(choice, strategy)
+    several = strategy.processes.several
+    if settings.recipe.search and (
+        why := why_not(choice.from_scratch, choice.lora, choice.quantize, choice.train_last, several)
+    ):
+        raise ValueError(f"--search: {why}; drop --search or that setting")
     out = output.output or Path(strategy.on_main(lambda: str(default_output(choice.ref, settings.data.source))))
     log(f"output: {out}/")
     check_output(out, output.resume, output.overwrite)  # before anything is loaded or written
@@ -290,13 +293,7 @@ def run(settings: FinetuneSettings, progress: Progress | None = None) -> dict:
     log(f"training {n_train:,} of {held:,} parameters{in_bits} on {where}")
     # Sharded too: every process takes part in each frozen forward and keeps every text's states (prefix_cache).
     progress.phase = "running the frozen layers once per text (the frozen-prefix cache)"
-    cache = use_cache(settings.compute.cache_frozen, clf, {k: v.ids for k, v in splits.items()}, strategy, log)
-    searched = None
-    if settings.recipe.search:
-        progress.phase = "trying recipes (--search)"
-        clf, splits, searched = search_recipes(job, clf, splits, recipe, cache, log)
-    elif cache:
-        splits = cache_splits(clf, splits, recipe.eval_rows, strategy)
+    clf, splits, searched = cache_or_search(job, clf, splits, recipe, progress, log)
     if settings.compute.compile:
         compile_token_wise(clf)
     model = strategy.wrap(clf)  # DDP with several replicas; a sharded model was wrapped when it was built
@@ -334,20 +331,19 @@ def run(settings: FinetuneSettings, progress: Progress | None = None) -> dict:
     return metrics
 
 
-def refuse_search(choice: ModelChoice, strategy: Strategy) -> None:
-    """--search tries recipes for a pretrained model's own blocks, in one process: what it cannot do yet is
-    refused before anything loads, in one line."""
-    why = None
-    if choice.from_scratch:
-        why = "a model from scratch trains every block: there is no recipe of blocks to choose"
-    elif choice.lora is not None or choice.quantize:
-        why = "with --lora or --quantize the blocks' form is fixed when the model loads"
-    elif choice.train_last is None:
-        why = "--train-last all leaves no blocks to choose"
-    elif strategy.processes.several:
-        why = "it runs in one process (no torchrun yet)"
-    if why:
-        raise ValueError(f"--search: {why}; drop --search or that setting")
+def cache_or_search(
+    job: Job, clf: LlamaClassifier, splits: dict[str, TokenizedSplit], recipe: TrainSettings, progress: Progress, log
+) -> tuple[LlamaClassifier, dict[str, TokenizedSplit], Searched | None]:
+    """The frozen-prefix cache if it is on (`use_cache`); with --search, the search first, whose candidates share
+    it, and the classifier and cached splits of the recipe it chose."""
+    compute = job.settings.compute
+    cache = use_cache(compute.cache_frozen, clf, {k: v.ids for k, v in splits.items()}, job.strategy, log)
+    if job.settings.recipe.search:
+        progress.phase = "trying recipes (--search)"
+        return search_recipes(job, clf, splits, recipe, cache, log)
+    if cache:
+        splits = cache_splits(clf, splits, recipe.eval_rows, job.strategy)
+    return clf, splits, None
 
 
 def search_recipes(

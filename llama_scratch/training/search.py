@@ -74,6 +74,20 @@ def candidates_for(n_layers: int, train_last: int | None = None, lr: float | Non
     return found
 
 
+def why_not(from_scratch: bool, lora, quantize: str | None, train_last: int | None, several: bool) -> str | None:
+    """Why --search cannot run with these settings (None: it can). It tries recipes of a pretrained model's own
+    blocks, in one process; what it cannot do yet is refused before anything loads, in one line."""
+    if from_scratch:
+        return "a model from scratch trains every block: there is no recipe of blocks to choose"
+    if lora is not None or quantize:
+        return "with --lora or --quantize the blocks' form is fixed when the model loads"
+    if train_last is None:
+        return "--train-last all leaves no blocks to choose"
+    if several:
+        return "it runs in one process (no torchrun yet)"
+    return None
+
+
 def search_epochs(epochs: int) -> int:
     """A candidate trains half the run's epochs (at least one): long enough to rank the recipes, which rarely swap
     places later, at half the cost of a whole run each."""
@@ -137,6 +151,34 @@ def table(rows: list[dict], chosen: str, select_by: str) -> str:
     return f"search (by validation {select_by}):\n" + "\n".join(lines)
 
 
+class NestedCache:
+    """The candidates' frozen-prefix states, by how many blocks they freeze (see the module's docstring): the bottom
+    run once per text up to `first`, the first block any candidate trains, and each other level carried up from
+    there when first asked for."""
+
+    def __init__(self, clf: LlamaClassifier, splits: dict[str, TokenizedSplit], first: int, rows: int, strategy):
+        self.clf, self.splits, self.first, self.rows, self.strategy = clf, splits, first, rows, strategy
+        self.levels: dict[int, dict[str, TokenizedSplit]] = {}
+        self.base: dict[int, torch.Tensor] = {}  # id(a text's states after blocks[:first]) -> them
+
+    def at(self, frozen: int) -> dict[str, TokenizedSplit]:
+        """The splits with each text's states after blocks[:frozen]."""
+        if frozen not in self.levels:
+            backbone = self.clf.backbone
+            if not self.base:  # the bottom once (a classifier that trains every block from `first` runs it)
+                deepest = LlamaClassifier(backbone, self.clf.head.out_features, len(backbone.blocks) - self.first)
+                self.levels[self.first] = cache_splits(deepest, self.splits, self.rows, self.strategy)
+                self.base = {id(s): s for v in self.levels[self.first].values() for s in v.states}
+            up = carry_up(backbone, list(self.base.values()), self.first, frozen, self.rows)
+            self.levels[frozen] = states_for(self.levels[self.first], dict(zip(self.base, up, strict=True)))
+        return self.levels[frozen]
+
+    def keep(self, frozen: int) -> None:
+        """Free every level but the bottom's and `frozen`'s (memory: a level is a copy of every text's states)."""
+        for level in [k for k in self.levels if k not in (self.first, frozen)]:
+            del self.levels[level]
+
+
 @dataclass
 class Searched:
     """What the search leaves the run: the chosen recipe, the candidates' rows, and the splits with the chosen
@@ -167,19 +209,13 @@ def search(
     (benchmarks/recipes.py); the command never passes the test split. `epochs`: each candidate's (None: half the
     run's, `search_epochs`; benchmarks/recipes.py trains them as long as a run). Resumed: candidates in
     `search.json` are not trained again."""
-    backbone, num_classes, multi_label = clf.backbone, clf.head.out_features, clf.multi_label
-    n_layers = len(backbone.blocks)
-    deepest = max(c.train_last for c in candidates)
-    start = n_layers - deepest  # the first block any candidate trains: everything from it is put back after each
-    saved = {k: v.detach().clone() for k, v in backbone.state_dict().items() if is_from_block(k, start)}
+    backbone, n_layers = clf.backbone, len(clf.backbone.blocks)
+    first = n_layers - max(c.train_last for c in candidates)  # everything from this block is put back after each
+    saved = {k: v.detach().clone() for k, v in backbone.state_dict().items() if is_from_block(k, first)}
     saved |= {k: v.detach().clone() for k, v in backbone.final_norm.state_dict(prefix="final_norm.").items()}
-    done = read_record(out)
-    rows: list[dict] = []
-    skipped: list[str] = []
-    base_states: dict[int, torch.Tensor] | None = None  # id(text's states after blocks[:start]) -> them
-    cached: dict[int, dict[str, TokenizedSplit]] = {}  # frozen blocks -> the splits with their states
+    states = NestedCache(clf, splits, first, settings.eval_rows, strategy) if cache else None
+    done, rows, skipped, spent = read_record(out), [], [], []
     began = time.perf_counter()
-    spent: list[float] = []
     epochs = epochs or search_epochs(settings.epochs)
     log(f"searching {len(candidates)} recipes, {epochs} epoch{'s' * (epochs > 1)} each, within {minutes:g} minutes")
     for c in candidates:
@@ -187,47 +223,28 @@ def search(
             rows.append(done[c.name])
             log(f"search: {c.name} was scored before this resume: val acc {done[c.name]['val_accuracy']:.2%}")
             continue
-        elapsed = (time.perf_counter() - began) / 60
-        if rows and spent and elapsed + sum(spent) / len(spent) / 60 > minutes:
+        if spent and (time.perf_counter() - began) / 60 + sum(spent) / len(spent) / 60 > minutes:
             skipped.append(c.name)
             log(f"search: skipping {c.name}: the {minutes:g}-minute budget would run out (--search-minutes)")
             continue
-        frozen = n_layers - c.train_last
-        if cache and frozen not in cached:
-            if base_states is None:  # the bottom once, up to the deepest candidate's first trained block
-                deepest_clf = LlamaClassifier(backbone, num_classes, deepest, multi_label=multi_label)
-                base = cache_splits(deepest_clf, splits, settings.eval_rows, strategy)
-                base_states = {id(s): s for v in base.values() for s in v.states}
-                cached[start] = base
-            up = carry_up(backbone, list(base_states.values()), start, frozen, settings.eval_rows)
-            by_id = dict(zip(base_states, up, strict=True))
-            cached[frozen] = states_for(cached[start], by_id)
-        use = cached[frozen] if cache else splits
+        use = states.at(n_layers - c.train_last) if states else splits
         torch.manual_seed(settings.seed)  # every candidate's head starts from the same draw
-        candidate = LlamaClassifier(backbone, num_classes, c.train_last, multi_label=multi_label)
+        candidate = LlamaClassifier(backbone, clf.head.out_features, c.train_last, multi_label=clf.multi_label)
         row, seconds = try_one(candidate, c, use, settings, epochs, strategy, out, log, score)
         spent.append(seconds)
         rows.append(row)
         backbone.load_state_dict(saved, strict=False)  # the next candidate starts from the pretrained weights
         write_record(out, rows, None, skipped)
-        # Memory: keep the shared bottom's states and the best candidate's so far (the final run trains on those).
-        leader = (
-            n_layers - next(x for x in candidates if x.name == best_of(rows, settings.select_by)["name"]).train_last
-        )
-        for level in [k for k in cached if k not in (start, leader)]:
-            del cached[level]
-    chosen_row = best_of(rows, settings.select_by)
-    chosen = next(c for c in candidates if c.name == chosen_row["name"])
+        if states:  # the final run trains the best candidate so far on its states: keep those
+            states.keep(n_layers - named(candidates, best_of(rows, settings.select_by)["name"]).train_last)
+    chosen = named(candidates, best_of(rows, settings.select_by)["name"])
     write_record(out, rows, chosen.name, skipped)
     log(table(rows, chosen.name, settings.select_by))
-    final = None
-    if cache:
-        final = cached.get(n_layers - chosen.train_last)
-        if final is None:  # every candidate was read back from a resumed search: the chosen one's pass only
-            final = cache_splits(
-                LlamaClassifier(backbone, num_classes, chosen.train_last), splits, settings.eval_rows, strategy
-            )
-    return Searched(chosen, rows, final)
+    return Searched(chosen, rows, states.at(n_layers - chosen.train_last) if states else None)
+
+
+def named(candidates: list[Candidate], name: str) -> Candidate:
+    return next(c for c in candidates if c.name == name)
 
 
 def is_from_block(key: str, start: int) -> bool:
