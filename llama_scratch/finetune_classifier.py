@@ -80,7 +80,7 @@ from .training.run_dir import (
     start_output,
     write_results,
 )
-from .training.search import Searched, candidates_for, search, why_not
+from .training.search import Searched, choose_recipe, why_not
 from .training.steps import raise_epochs
 
 
@@ -349,20 +349,14 @@ def cache_or_search(
 def search_recipes(
     job: Job, clf: LlamaClassifier, splits: dict[str, TokenizedSplit], recipe: TrainSettings, cache: bool, log
 ) -> tuple[LlamaClassifier, dict[str, TokenizedSplit], Searched]:
-    """--search: try the candidates (training.search), then set the run up to train the chosen one: its rate in
-    the recipe, its blocks in the model's choice (what classifier.json and the resume identity record), and a fresh
-    head drawn from the run's seed on the backbone as it was loaded."""
+    """--search (training.search.choose_recipe), and the chosen blocks in the model's choice: what classifier.json
+    and the resume identity record."""
     asked = job.settings.recipe
     typed_last = None if asked.train_last is None else chosen_train_last(asked.train_last, False)
-    candidates = candidates_for(len(clf.backbone.blocks), typed_last, asked.lr)
-    found = search(clf, splits, recipe, candidates, job.strategy, job.out, asked.search_minutes, cache, log)
-    recipe.lr = found.chosen.lr
+    where = (job.strategy, job.out, asked.search_minutes, cache, log)
+    clf, splits, found = choose_recipe(clf, splits, recipe, typed_last, asked.lr, *where)
     job.choice.train_last = found.chosen.train_last
-    torch.manual_seed(recipe.seed)
-    chosen = LlamaClassifier(clf.backbone, clf.head.out_features, found.chosen.train_last, multi_label=clf.multi_label)
-    n_train = sum(p.numel() for p in chosen.trainable_parameters().values())
-    log(f"training {found.chosen.name} for the run: {n_train:,} parameters")
-    return chosen, found.splits or splits, found
+    return clf, splits, found
 
 
 def check_resume_point(job: Job, settings: TrainSettings) -> None:

@@ -297,3 +297,28 @@ def try_one(
     seconds = time.perf_counter() - began
     row["seconds"] = seconds
     return row, seconds
+
+
+def choose_recipe(
+    clf: LlamaClassifier,
+    splits: dict[str, TokenizedSplit],
+    recipe: TrainSettings,
+    train_last: int | None,
+    lr: float | None,
+    strategy: Strategy,
+    out: Path,
+    minutes: float,
+    cache: bool,
+    log=print,
+) -> tuple[LlamaClassifier, dict[str, TokenizedSplit], Searched]:
+    """The command's --search: the candidates (`train_last`, `lr`: what the user typed, kept fixed), the search,
+    then the run set up to train the chosen one: its rate in `recipe`, and a fresh classifier of its blocks on the
+    backbone as it was loaded, its head drawn from the run's seed, with the splits cached for it."""
+    candidates = candidates_for(len(clf.backbone.blocks), train_last, lr)
+    found = search(clf, splits, recipe, candidates, strategy, out, minutes, cache, log)
+    recipe.lr = found.chosen.lr
+    torch.manual_seed(recipe.seed)
+    chosen = LlamaClassifier(clf.backbone, clf.head.out_features, found.chosen.train_last, multi_label=clf.multi_label)
+    n_train = sum(p.numel() for p in chosen.trainable_parameters().values())
+    log(f"training {found.chosen.name} for the run: {n_train:,} parameters")
+    return chosen, found.splits or splits, found
