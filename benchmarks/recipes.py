@@ -35,11 +35,11 @@ import torch
 
 from llama_scratch.finetune_classifier import Progress, build_classifier, prepare
 from llama_scratch.finetune_data import tokenize
-from llama_scratch.finetune_settings import parse_args
+from llama_scratch.finetune_settings import FinetuneSettings, parse_args
 from llama_scratch.model.tokenizer import Tokenizer
 from llama_scratch.sources.fetch import fetch_smollm2
 from llama_scratch.training.baseline import bag_of_words
-from llama_scratch.training.search import CANDIDATES, Candidate, search
+from llama_scratch.training.search import CANDIDATES, Candidate, best_of, search
 
 HERE = Path(__file__).resolve().parent
 SUITE = HERE / "suite"
@@ -72,13 +72,18 @@ def capped_csv(source: Path, rows: int, out: Path, shorten, seed: int = 39) -> P
     return out
 
 
+def command(data: Path, weights: Path, scratch: Path, *extra: str) -> FinetuneSettings:
+    """The finetune command's settings for a task's file: split as the command splits a file, into `scratch`."""
+    argv = ["--data", str(data), "--split", "stratified", "--model", str(weights), "--output", str(scratch / "run")]
+    return parse_args([*argv, *extra])
+
+
 def ours(
     data: Path, weights: Path, scratch: Path, candidates: list[Candidate], max_length: int, log
 ) -> tuple[dict, dict]:
     """Every candidate trained as long as a run and scored on val and test, through the command's pieces; and the
     parts (LabelledTexts by split), for the baseline and the Trainer."""
-    argv = ["--data", str(data), "--split", "stratified", "--model", str(weights), "--output", str(scratch / "run")]
-    settings = parse_args([*argv, "--dtype", "float32", "--max-length", str(max_length)])
+    settings = command(data, weights, scratch, "--dtype", "float32", "--max-length", str(max_length))
     job, recipe, _ = prepare(settings, Progress())
     clf, tokenizer, _ = build_classifier(job, log)
     splits, max_length = tokenize(job.parts, tokenizer, clf.backbone.cfg.max_seq_len, max_length, log)
@@ -91,8 +96,7 @@ def ours(
 
 def read_parts(data: Path, weights: Path, scratch: Path) -> dict:
     """The splits of `data` as `ours` cut them (the command's own reading and split), nothing loaded or trained."""
-    argv = ["--data", str(data), "--split", "stratified", "--model", str(weights), "--output", str(scratch / "run")]
-    job, _, _ = prepare(parse_args(argv), Progress())
+    job, _, _ = prepare(command(data, weights, scratch), Progress())
     return job.parts
 
 
@@ -116,7 +120,8 @@ def trainer(weights: Path, parts: dict, max_length: int, train_rows: int, seed: 
             if limit is not None and len(order) > limit:
                 random.Random(seed).shuffle(order)
                 order = order[:limit]
-            self.items = [(part.texts[i], part.targets()[i]) for i in order]
+            targets = part.targets()
+            self.items = [(part.texts[i], targets[i]) for i in order]
 
         def __len__(self):
             return len(self.items)
@@ -174,7 +179,7 @@ def markdown(record: dict) -> str:
     lines = ["| " + " | ".join(head) + " |", "| --- |" + " ---: |" * (len(head) - 1)]
     for task, t in tasks.items():
         by_name = {r["name"]: r for r in t["rows"]}
-        best = max(reversed(t["rows"]), key=lambda r: (r["val_accuracy"], -r["val_loss"]))
+        best = best_of(t["rows"], "accuracy")  # what --search keeps
         sizes = "/".join(str(t["split_sizes"][k]) for k in ("train", "val", "test"))
         cells = [f"{by_name[n]['test_accuracy']:.1%}" if n in by_name else "" for n in names]
         trainer = f"{t['trainer']['test_accuracy']:.1%}" if "trainer" in t else ""

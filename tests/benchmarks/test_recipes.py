@@ -1,0 +1,47 @@
+"""benchmarks/recipes.py's own pieces that need no model: the capped, shortened task file and the table it prints
+from a results file (the runs themselves are measured, not tested: benchmarks/RESULTS.md)."""
+
+import csv
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT / "benchmarks"))
+import recipes  # noqa: E402
+
+
+def test_capped_csv_draws_each_class_in_proportion_and_shortens_every_text(tmp_path):
+    source = tmp_path / "task.csv"
+    rows = [(f"text {i} " + "word " * i, "a" if i % 4 else "b") for i in range(200)]  # a: 150, b: 50
+    with source.open("w", newline="") as f:
+        csv.writer(f).writerows([("text", "label"), *rows])
+    out = recipes.capped_csv(source, 40, tmp_path / "capped.csv", shorten=lambda text: text[:12])
+    with out.open(newline="") as f:
+        header, *kept = list(csv.reader(f))
+    assert header == ["text", "label"] and len(kept) == 40
+    assert sum(label == "b" for _, label in kept) == 10, "a quarter of the rows, as in the source"
+    assert all(len(text) <= 12 for text, _ in kept)
+    assert recipes.capped_csv(source, 1000, tmp_path / "all.csv", shorten=str).read_text() == source.read_text()
+
+
+def test_the_table_marks_what_search_would_keep_and_leaves_blanks_where_nothing_ran():
+    row = lambda name, val, loss, test: {"name": name, "val_accuracy": val, "val_loss": loss, "test_accuracy": test}  # noqa: E731
+    record = {
+        "tasks": {
+            "one": {
+                "split_sizes": {"train": 7, "val": 1, "test": 2},
+                "baseline": {"test_accuracy": 0.5},
+                "rows": [row("last 2, lr 0.0002", 0.8, 0.3, 0.6), row("last 2, lr 0.001", 0.8, 0.2, 0.9)],
+                "trainer": {"test_accuracy": 0.75},
+            },
+            "two": {
+                "split_sizes": {"train": 7, "val": 1, "test": 2},
+                "baseline": {"test_accuracy": 0.25},
+                "rows": [row("last 2, lr 0.0002", 0.5, 0.3, 0.5)],
+            },
+        }
+    }
+    lines = recipes.markdown(record).splitlines()
+    assert lines[0].startswith("| task | train/val/test | bag-of-words | last 2, lr 0.0002 | last 2, lr 0.001 |")
+    assert lines[2] == "| one | 7/1/2 | 50.0% | 60.0% | 90.0% | 90.0% (last 2, lr 0.001) | 75.0% |"  # ties: lower loss
+    assert lines[3] == "| two | 7/1/2 | 25.0% | 50.0% |  |  |  |"
