@@ -80,7 +80,7 @@ from .training.run_dir import (
     start_output,
     write_results,
 )
-from .training.search import Searched, choose_recipe, why_not
+from .training.search import Searched, choose_recipe, chosen_before, why_not
 from .training.steps import raise_epochs
 
 
@@ -258,6 +258,8 @@ def prepare(settings: FinetuneSettings, progress: Progress) -> tuple[Job, TrainS
     recipe = train_settings(
         settings, choice.from_scratch, parts["train"].targets(), data.num_classes, strategy.processes, log
     )
+    if output.resume and settings.recipe.search and (chosen := chosen_before(out)):
+        choice.train_last, recipe.lr = chosen.train_last, chosen.lr  # what its resume points were trained with
     if output.resume:
         check_resume_point(job, recipe)  # another run's point is refused before minutes of loading and caching
     start_output(out, output.resume, output.output is None, strategy, recorded_flags(settings))

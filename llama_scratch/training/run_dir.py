@@ -38,6 +38,7 @@ RUNS_DIR = Path("runs")  # where runs go when --output is not given
 BEST_FILE = "best.safetensors"  # the best trained weights so far, while the run trains
 FLAGS_FILE = "run_flags.json"  # the flags the run was started with: `--resume --output RUN` needs no others
 METRICS_FILE = "metrics.json"  # the run's figures and what they were measured on
+SEARCH_FILE = "search.json"  # --search's candidates and the one chosen (training/search.py)
 METRICS_VERSION = 2  # the shape `write_results` writes; `read_metrics` brings older ones to it
 WORK_FILES = (RESUME_FILE, BEST_FILE, RESUME_DIR, FLAGS_FILE)
 RESULT_FILES = (
@@ -47,6 +48,7 @@ RESULT_FILES = (
     "confusion.png",
     METRICS_FILE,
     RECORD_FILE,
+    SEARCH_FILE,
 )
 MARKER = RUN_MARKER  # written when a run starts: only a directory holding it is ours to clear
 _OUR_TEMP = re.compile(rf"\.({'|'.join(map(re.escape, WORK_FILES + RESULT_FILES))})\.\d+\.tmp")  # write_atomic's

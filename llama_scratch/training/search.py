@@ -36,8 +36,8 @@ from ..parallel.strategy import Strategy
 from .evaluation import evaluate, selection_key
 from .loop import TrainSettings, train
 from .prefix_cache import cache_splits
+from .run_dir import SEARCH_FILE
 
-SEARCH_FILE = "search.json"
 VERSION = 1
 
 
@@ -129,6 +129,17 @@ def read_record(out: Path) -> dict:
     if record.get("version") != VERSION:
         raise ValueError(f"{path}: a search record of version {record.get('version')}, this code reads {VERSION}")
     return {row["name"]: row for row in record["candidates"]}
+
+
+def chosen_before(out: Path) -> Candidate | None:
+    """The recipe a search in this run's folder chose (`--resume`), None if it had not chosen yet: the run's own
+    recipe from then on, which its resume points record."""
+    path = out / SEARCH_FILE
+    record = json.loads(path.read_text(encoding="utf-8")) if path.exists() else {}
+    if record.get("chosen") is None:
+        return None
+    row = read_record(out)[record["chosen"]]
+    return Candidate(row["train_last"], row["lr"])
 
 
 def write_record(out: Path, rows: list[dict], chosen: str | None, skipped: list[str]) -> None:
@@ -230,7 +241,7 @@ def search(
         use = states.at(n_layers - c.train_last) if states else splits
         torch.manual_seed(settings.seed)  # every candidate's head starts from the same draw
         candidate = LlamaClassifier(backbone, clf.head.out_features, c.train_last, multi_label=clf.multi_label)
-        row, seconds = try_one(candidate, c, use, settings, epochs, strategy, out, log, score)
+        row, seconds = try_one(candidate, c, use, settings, epochs, strategy, log, score)
         spent.append(seconds)
         rows.append(row)
         backbone.load_state_dict(saved, strict=False)  # the next candidate starts from the pretrained weights
@@ -260,11 +271,12 @@ def try_one(
     settings: TrainSettings,
     epochs: int,
     strategy: Strategy,
-    out: Path,
     log,
     score: tuple[str, ...],
 ) -> tuple[dict, float]:
-    """Train one candidate in a scratch folder of the run's (its resume points are not kept) and return its row."""
+    """Train one candidate in a scratch folder (its resume points are not kept: an interrupted candidate starts
+    again) and return its row. The folder is the system's temporary one, not the run's: one left behind by a killed
+    process must not make the run's folder hold a file --resume does not know."""
     began = time.perf_counter()
     s = dataclasses.replace(settings, lr=c.lr, epochs=epochs, max_steps=None, patience=None, eval_every=None)
     kept: dict[str, torch.Tensor] = {}
@@ -274,7 +286,7 @@ def try_one(
         kept.update({k: v.detach().clone() for k, v in clf.trainable_parameters().items()})
 
     log(f"search: training {c.name}")
-    with tempfile.TemporaryDirectory(dir=out, prefix="search-") as scratch:
+    with tempfile.TemporaryDirectory(prefix="llama-scratch-search-") as scratch:
         state = train(clf, splits, s, strategy, Path(scratch), on_best=keep, log=lambda line: log(f"  {line}"))
     best = next(r for r in state.history if r["step"] == state.best_step)
     row = {

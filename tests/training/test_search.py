@@ -5,6 +5,7 @@ import json
 
 import pytest
 import torch
+from safetensors.torch import load_file
 
 from llama_scratch import classify, finetune_classifier
 from llama_scratch.checkpoints.weights import save_checkpoint
@@ -166,3 +167,29 @@ def test_search_refuses_what_it_cannot_vary_in_one_line(pretrained, small_csv, t
     err = capsys.readouterr().err
     assert err.startswith("error: --search:") and why in err and len(err.strip().splitlines()) == 1
     assert not (tmp_path / "r").exists(), "refused before anything was written"
+
+
+@pytest.mark.slow
+def test_a_search_run_interrupted_in_its_final_training_resumes(pretrained, small_csv, tmp_path, monkeypatch, capsys):
+    """The chosen recipe (other blocks, another rate than a plain run's) is the run's own once chosen: `--resume`
+    after Ctrl-C in the final training continues it, and ends with the weights of a run never interrupted."""
+    monkeypatch.setattr(search_module, "CANDIDATES", (Candidate(3, 1e-3),))
+    argv = ["--model", str(pretrained), "--data", str(small_csv), "--search", "--epochs", "2", "--max-length", "32"]
+    assert finetune_classifier.main([*argv, "--output", str(tmp_path / "whole")]) == 0
+    out = tmp_path / "run"
+    real = finetune_classifier.train
+
+    def stopped_after_an_epoch(*args, **kwargs):
+        kwargs["on_row"] = lambda row: (_ for _ in ()).throw(KeyboardInterrupt)
+        return real(*args, **kwargs)
+
+    with monkeypatch.context() as m:
+        m.setattr(finetune_classifier, "train", stopped_after_an_epoch)
+        assert finetune_classifier.main([*argv, "--output", str(out)]) == 130
+    assert (out / "resume.safetensors").exists() and json.loads((out / "search.json").read_text())["chosen"]
+    capsys.readouterr()
+    assert finetune_classifier.main(["--resume", "--output", str(out)]) == 0, capsys.readouterr().err
+    assert "was scored before this resume" in capsys.readouterr().out
+    assert json.loads((out / "classifier.json").read_text())["train_last"] == 3
+    a, b = load_file(tmp_path / "whole" / "classifier.safetensors"), load_file(out / "classifier.safetensors")
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
