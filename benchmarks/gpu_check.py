@@ -56,7 +56,6 @@ from gpu_8b import ensure_checkpoint, measure_load, model_flops, peak_tflops, sy
 
 from llama_scratch import LlamaConfig  # noqa: E402
 from llama_scratch.finetune_classifier import (  # noqa: E402
-    Job,
     build_classifier,
     choose_model,
     compile_token_wise,
@@ -64,6 +63,7 @@ from llama_scratch.finetune_classifier import (  # noqa: E402
     train_settings,
 )
 from llama_scratch.finetune_data import read_data, tokenize  # noqa: E402
+from llama_scratch.finetune_job import Job  # noqa: E402
 from llama_scratch.finetune_settings import parse_args as finetune_settings  # noqa: E402
 from llama_scratch.parallel.strategy import Strategy, choose_strategy  # noqa: E402
 from llama_scratch.planning.memory import MemoryPlan, plan_memory  # noqa: E402
