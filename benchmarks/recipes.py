@@ -4,6 +4,7 @@
     python benchmarks/suite.py build                       # once: the tasks' CSV files (benchmarks/suite/data)
     python benchmarks/recipes.py --rows 2000               # every task, at most 2,000 rows each
     python benchmarks/recipes.py --tasks sms_spam,debates_2016 --trainer-rows 600
+    python benchmarks/recipes.py --candidates 2@2e-4,2@1e-3 --seed 7 --json benchmarks/suite/recipes_seed7.json
 
 Each task's CSV is cut to at most `--rows` rows (a stratified draw, seed 39), each text to its first `--max-length`
 tokens in every split (a CPU's budget: the long texts of two tasks would cost minutes a step otherwise; every method
@@ -15,7 +16,9 @@ and scored on validation and test. The bag-of-words figure is the baseline every
 `--trainer` adds transformers' `AutoModelForSequenceClassification` + `Trainer` with its defaults for a full fine-
 tune (AdamW at 5e-5, linear decay, 3 epochs, batch 8, the best epoch by validation accuracy), on the same texts; full
 fine-tuning of every weight is slow on a CPU, so `--trainer-rows` caps its training split further (the validation and
-test splits stay the same). Results go to `--json` as each task ends (a rerun skips tasks there).
+test splits stay the same). Results go to `--json` as each task ends (a rerun skips tasks there). `--seed` is the
+command's: another seed draws other splits (and another initial head), so several seeds show how much of a
+difference between recipes is the split's luck; a task measured at another seed than 123 is keyed "TASK seed N".
 """
 
 from __future__ import annotations
@@ -72,18 +75,18 @@ def capped_csv(source: Path, rows: int, out: Path, shorten, seed: int = 39) -> P
     return out
 
 
-def command(data: Path, weights: Path, scratch: Path, *extra: str) -> FinetuneSettings:
+def command(data: Path, weights: Path, scratch: Path, seed: int, *extra: str) -> FinetuneSettings:
     """The finetune command's settings for a task's file: split as the command splits a file, into `scratch`."""
     argv = ["--data", str(data), "--split", "stratified", "--model", str(weights), "--output", str(scratch / "run")]
-    return parse_args([*argv, *extra])
+    return parse_args([*argv, "--seed", str(seed), *extra])
 
 
 def ours(
-    data: Path, weights: Path, scratch: Path, candidates: list[Candidate], max_length: int, log
+    data: Path, weights: Path, scratch: Path, candidates: list[Candidate], max_length: int, seed: int, log
 ) -> tuple[dict, dict]:
     """Every candidate trained as long as a run and scored on val and test, through the command's pieces; and the
     parts (LabelledTexts by split), for the baseline and the Trainer."""
-    settings = command(data, weights, scratch, "--dtype", "float32", "--max-length", str(max_length))
+    settings = command(data, weights, scratch, seed, "--dtype", "float32", "--max-length", str(max_length))
     job, recipe, _ = prepare(settings, Progress())
     clf, tokenizer, _ = build_classifier(job, log)
     splits, max_length = tokenize(job.parts, tokenizer, clf.backbone.cfg.max_seq_len, max_length, log)
@@ -91,12 +94,13 @@ def ours(
         clf, splits, recipe, candidates, job.strategy, job.out, float("inf"), True, log, ("test",), recipe.epochs
     )
     sizes = {k: len(v) for k, v in job.parts.items()}
-    return {"rows": found.rows, "epochs": recipe.epochs, "max_length": max_length, "split_sizes": sizes}, job.parts
+    result = {"rows": found.rows, "epochs": recipe.epochs, "max_length": max_length, "split_sizes": sizes, "seed": seed}
+    return result, job.parts
 
 
-def read_parts(data: Path, weights: Path, scratch: Path) -> dict:
+def read_parts(data: Path, weights: Path, scratch: Path, seed: int) -> dict:
     """The splits of `data` as `ours` cut them (the command's own reading and split), nothing loaded or trained."""
-    job, _, _ = prepare(command(data, weights, scratch), Progress())
+    job, _, _ = prepare(command(data, weights, scratch, seed), Progress())
     return job.parts
 
 
@@ -170,22 +174,42 @@ def trainer(weights: Path, parts: dict, max_length: int, train_rows: int, seed: 
     }
 
 
+def candidate_list(text: str) -> list[Candidate]:
+    """`2@2e-4,2@1e-3`: the last 2 blocks at 2e-4, then at 1e-3 (--candidates)."""
+    try:
+        return [Candidate(int(last), float(lr)) for last, lr in (item.split("@") for item in text.split(","))]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r}: expected LAST@LR[,LAST@LR...], e.g. 2@2e-4,2@1e-3") from None
+
+
 def markdown(record: dict) -> str:
     """The results as RESULTS.md's table: per task, the baseline, each candidate's test accuracy (the default
-    first), the one --search would keep (the best validation figure) and the Trainer's, in points."""
+    first), the one --search would keep (the best validation figure) and the Trainer's, in points; last, each
+    column's mean over the tasks, where every task has a figure in it."""
     tasks = record["tasks"]
     names = [r["name"] for r in max(tasks.values(), key=lambda t: len(t["rows"]))["rows"]]
     head = ["task", "train/val/test", "bag-of-words", *names, "best on val", "Trainer"]
     lines = ["| " + " | ".join(head) + " |", "| --- |" + " ---: |" * (len(head) - 1)]
+    columns: list[list[float | None]] = []  # per task: the figures of the columns after train/val/test
     for task, t in tasks.items():
         by_name = {r["name"]: r for r in t["rows"]}
-        best = best_of(t["rows"], "accuracy")  # what --search keeps
+        best = best_of(t["rows"], "accuracy") if len(t["rows"]) > 1 else None  # what --search keeps
+        figures = [
+            t["baseline"]["test_accuracy"],
+            *(by_name[n]["test_accuracy"] if n in by_name else None for n in names),
+            best and best["test_accuracy"],
+            t["trainer"]["test_accuracy"] if "trainer" in t else None,
+        ]
+        columns.append(figures)
+        cells = ["" if f is None else f"{f:.1%}" for f in figures]
+        if best is not None:
+            cells[-2] += f" ({best['name']})"
         sizes = "/".join(str(t["split_sizes"][k]) for k in ("train", "val", "test"))
-        cells = [f"{by_name[n]['test_accuracy']:.1%}" if n in by_name else "" for n in names]
-        trainer = f"{t['trainer']['test_accuracy']:.1%}" if "trainer" in t else ""
-        chosen = f"{best['test_accuracy']:.1%} ({best['name']})" if len(t["rows"]) > 1 else ""
-        row = [task, sizes, f"{t['baseline']['test_accuracy']:.1%}", *cells, chosen, trainer]
-        lines.append("| " + " | ".join(row) + " |")
+        lines.append("| " + " | ".join([task, sizes, *cells]) + " |")
+    if len(columns) > 1:
+        means = [None if None in col else sum(col) / len(col) for col in zip(*columns, strict=True)]
+        cells = ["" if m is None else f"**{m:.1%}**" for m in means]
+        lines.append("| " + " | ".join([f"mean of {len(columns)}", "", *cells]) + " |")
     return "\n".join(lines)
 
 
@@ -199,6 +223,13 @@ def main() -> None:
     parser.add_argument(
         "--default-only", action="store_true", help="our default recipe only, not every candidate of --search"
     )
+    parser.add_argument(
+        "--candidates",
+        type=candidate_list,
+        help="our recipes as LAST@LR, comma-separated, e.g. 2@2e-4,2@1e-3 (default: every candidate of --search and "
+        "the head alone)",
+    )
+    parser.add_argument("--seed", type=int, default=123, help="the command's --seed: the splits and the head's init")
     parser.add_argument("--trainer", action="store_true", help="also run transformers' Trainer on each task")
     parser.add_argument("--trainer-rows", type=int, default=600, help="its training rows at most (default: 600)")
     parser.add_argument("--json", type=Path, default=SUITE / "recipes.json", help="where the results go")
@@ -211,36 +242,37 @@ def main() -> None:
     built = json.loads((SUITE / "tasks.json").read_text())["tasks"]
     names = args.tasks.split(",") if args.tasks else [t["name"] for t in built]
     weights = fetch_smollm2()
-    candidates = [CANDIDATES[0]] if args.default_only else [*CANDIDATES, LINEAR_PROBE]
+    candidates = args.candidates or ([CANDIDATES[0]] if args.default_only else [*CANDIDATES, LINEAR_PROBE])
     tokenizer = Tokenizer.from_hf_json(weights / "tokenizer.json")
 
     def shorten(text: str) -> str:  # the text of its first --max-length tokens, cut at a whole word
         ids = tokenizer.encode(text)
         return text if len(ids) <= args.max_length else tokenizer.decode(ids[: args.max_length]).rsplit(" ", 1)[0]
 
-    for name in names:
+    for task in names:
+        name = task if args.seed == 123 else f"{task} seed {args.seed}"
         done = record["tasks"].get(name)
         if done is not None and (not args.trainer or "trainer" in done):
             print(f"{name}: in {args.json} already")
             continue
-        source = SUITE / "data" / f"{name}.csv"
+        source = SUITE / "data" / f"{task}.csv"
         if not source.exists():
             sys.exit(f"error: {source} is missing: run `python benchmarks/suite.py build` first")
         torch.manual_seed(0)
         began = time.perf_counter()
         with tempfile.TemporaryDirectory() as tmp:
-            data = capped_csv(source, args.rows, Path(tmp) / f"{name}.csv", shorten)
+            data = capped_csv(source, args.rows, Path(tmp) / f"{task}.csv", shorten)
             if done is None:
-                result, parts = ours(data, weights, Path(tmp), candidates, args.max_length, print)
+                result, parts = ours(data, weights, Path(tmp), candidates, args.max_length, args.seed, print)
                 texts = {k: (p.texts, p.targets()) for k, p in parts.items()}
                 result["baseline"] = bag_of_words(texts, len(parts["train"].label_names), False)
                 result["seconds"] = time.perf_counter() - began
                 record["tasks"][name] = result
                 args.json.write_text(json.dumps(record, indent=2) + "\n")  # kept if the Trainer fails or is stopped
             else:  # ours measured before: the same splits again, for the Trainer
-                result, parts = done, read_parts(data, weights, Path(tmp))
+                result, parts = done, read_parts(data, weights, Path(tmp), args.seed)
             if args.trainer:
-                result["trainer"] = trainer(weights, parts, result["max_length"], args.trainer_rows)
+                result["trainer"] = trainer(weights, parts, result["max_length"], args.trainer_rows, args.seed)
                 args.json.write_text(json.dumps(record, indent=2) + "\n")
         line = ", ".join(f"{r['name']} {r['test_accuracy']:.2%}" for r in result["rows"])
         base = result["baseline"]["test_accuracy"]

@@ -5,6 +5,8 @@ import csv
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "benchmarks"))
 import recipes  # noqa: E402
@@ -45,3 +47,11 @@ def test_the_table_marks_what_search_would_keep_and_leaves_blanks_where_nothing_
     assert lines[0].startswith("| task | train/val/test | bag-of-words | last 2, lr 0.0002 | last 2, lr 0.001 |")
     assert lines[2] == "| one | 7/1/2 | 50.0% | 60.0% | 90.0% | 90.0% (last 2, lr 0.001) | 75.0% |"  # ties: lower loss
     assert lines[3] == "| two | 7/1/2 | 25.0% | 50.0% |  |  |  |"
+    # The means: over every task where each has a figure, blank where one has none.
+    assert lines[4] == "| mean of 2 |  | **37.5%** | **55.0%** |  |  |  |"
+
+
+def test_candidates_are_typed_as_last_at_rate_and_a_typo_is_one_clear_line():
+    assert recipes.candidate_list("2@2e-4,4@1e-4") == [recipes.Candidate(2, 2e-4), recipes.Candidate(4, 1e-4)]
+    with pytest.raises(recipes.argparse.ArgumentTypeError, match="expected LAST@LR"):
+        recipes.candidate_list("2-2e-4")
