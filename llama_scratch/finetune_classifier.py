@@ -64,6 +64,7 @@ from .training.loop import (
     TrainingDiverged,
     TrainSettings,
     balanced_weights,
+    default_lr,
     train,
 )
 from .training.prefix_cache import cache_splits, use_cache
@@ -90,10 +91,11 @@ def train_settings(
     processes: Processes,
     log,
 ) -> TrainSettings:
-    """The loop's recipe from the settings (the fields of the same name), with what depends on the data: weights
-    that start from nothing (LoRA adapters, a model from scratch) learn at a higher rate than a pretrained model,
-    which is only adjusted; small data gets more epochs; balanced class weights if asked."""
+    """The loop's recipe from the settings (the fields of the same name), with what depends on the model and the
+    data: the peak rate when --lr is not given (`default_lr`: smaller when more than 2 pretrained blocks train
+    whole); small data gets more epochs; balanced class weights if asked."""
     recipe = settings.recipe
+    train_last = chosen_train_last(recipe.train_last, from_scratch)
     same = {f.name for f in fields(TrainSettings)} & {f.name for f in fields(recipe)} - {
         "epochs",
         "lr",
@@ -102,7 +104,7 @@ def train_settings(
     train = TrainSettings(
         **{name: getattr(recipe, name) for name in same},
         epochs=recipe.epochs or TrainSettings.epochs,
-        lr=recipe.lr or (TrainSettings.lr_fresh if from_scratch or settings.lora.rank else TrainSettings.lr),
+        lr=recipe.lr or default_lr(train_last, from_scratch or bool(settings.lora.rank)),
         class_weights=balanced_weights(train_labels, num_classes) if recipe.class_weights == "balanced" else None,
         save_every=settings.output.save_every,
         optimizer_state=settings.compute.optimizer_state,

@@ -138,7 +138,8 @@ class RecipeSettings:
     )
     lr: float | None = option(
         None,
-        f"peak learning rate (default: {d.lr:g} for a pretrained model, {d.lr_fresh:g} with --lora or from scratch)",
+        f"peak learning rate (default: {d.lr:g} for up to 2 blocks trained, with --lora or from scratch; "
+        f"{d.lr_deep:g} when more pretrained blocks train whole)",
     )
     weight_decay: float = option(d.weight_decay, f"(default: {d.weight_decay})")
     warmup: float = option(d.warmup, f"fraction of steps for linear warm-up (default: {d.warmup})")

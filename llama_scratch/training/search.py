@@ -56,8 +56,8 @@ class Candidate:
 # The default recipe first (ties go to the earlier candidate), then one more rate for it, then deeper fine-tuning
 # at rates that shrink as more blocks train (more weights moving at once need smaller steps to stay stable).
 CANDIDATES = (
-    Candidate(2, 2e-4),
     Candidate(2, 1e-3),
+    Candidate(2, 2e-4),
     Candidate(4, 1e-4),
     Candidate(8, 5e-5),
 )

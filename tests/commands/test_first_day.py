@@ -144,6 +144,26 @@ def test_every_option_names_one_default_and_it_is_the_code_s():
     assert finetune_classifier.parse_args([]).recipe.epochs is None  # raised for small data unless given
 
 
+@pytest.mark.parametrize(
+    "flags, scratch, lr",
+    [
+        ([], False, 1e-3),  # the default recipe: the last 2 blocks
+        (["--train-last", "1"], False, 1e-3),
+        (["--train-last", "0"], False, 1e-3),  # the head alone
+        (["--train-last", "4"], False, 2e-4),  # more pretrained blocks whole: smaller steps
+        (["--train-last", "all"], False, 2e-4),
+        (["--train-last", "all", "--lora", "8"], False, 1e-3),  # adapters start from nothing
+        ([], True, 1e-3),  # random weights: every block, from nothing
+        (["--train-last", "4", "--lr", "5e-4"], False, 5e-4),  # typed: kept
+    ],
+)
+def test_the_default_rate_follows_what_trains(flags, scratch, lr):
+    from llama_scratch.parallel.strategy import Processes
+
+    args = finetune_classifier.parse_args(["--data", "x.csv", *flags])
+    assert finetune_classifier.train_settings(args, scratch, [0, 1] * 520, 2, Processes(), print).lr == lr
+
+
 def test_small_data_gets_more_epochs_and_a_useless_model_is_called_out():
     from llama_scratch.parallel.strategy import Processes
 

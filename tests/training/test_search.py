@@ -21,7 +21,7 @@ from llama_scratch.training.search import Candidate, candidates_for, carry_up, s
 
 
 def test_candidates_keep_what_was_typed_and_fit_the_model():
-    assert candidates_for(30)[0] == Candidate(2, 2e-4), "the default recipe is tried first"
+    assert candidates_for(30)[0] == Candidate(2, 1e-3), "the default recipe is tried first"
     assert {c.train_last for c in candidates_for(30, train_last=3)} == {3}
     assert {c.lr for c in candidates_for(30, lr=5e-4)} == {5e-4}
     assert len(candidates_for(30, train_last=3, lr=5e-4)) == 1  # nothing left to vary: one candidate
@@ -151,6 +151,16 @@ def test_search_through_the_command_as_a_user_types_it(pretrained, small_csv, tm
     assert finetune_classifier.main([*argv2, "--epochs", "2", "--max-length", "32", "--train-last", "1"]) == 0
     record = json.loads((out2 / "search.json").read_text())
     assert {r["train_last"] for r in record["candidates"]} == {1} and len(record["candidates"]) >= 2
+
+
+def test_more_blocks_whole_train_at_the_smaller_default_rate_through_the_command(pretrained, small_csv, tmp_path):
+    """The rate a run used is the one classifier.json records: 1e-3 for the default 2 blocks, 2e-4 for 3 of them
+    (training.loop.default_lr), as a user types the flags."""
+    for flags, lr in (([], 1e-3), (["--train-last", "3"], 2e-4)):
+        out = tmp_path / f"run{len(flags)}"
+        argv = ["--model", str(pretrained), "--data", str(small_csv), "--output", str(out), "--max-steps", "1"]
+        assert finetune_classifier.main([*argv, "--max-length", "32", *flags]) == 0
+        assert json.loads((out / "classifier.json").read_text())["settings"]["lr"] == lr
 
 
 @pytest.mark.parametrize(
