@@ -78,8 +78,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default="llama3-8b", choices=sorted(PRESETS), help="a preset (default: llama3-8b)")
     p.add_argument("--world-size", type=int, default=8, help="simulated processes (default: 8)")
-    p.add_argument("--shard", action=argparse.BooleanOptionalAction, default=True,
-                   help="FSDP2 (the default), or --no-shard: DDP, a whole replica per process")  # fmt: skip
+    p.add_argument(
+        "--shard",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="FSDP2 (the default), or --no-shard: DDP, a whole replica per process",
+    )
     p.add_argument("--train-last", default="all", help="blocks trained, or 'all' (default: all)")
     p.add_argument("--gradient-checkpointing", action="store_true")
     p.add_argument("--lora", type=int, metavar="RANK", help="LoRA adapters of this rank in the trained blocks")
@@ -93,10 +97,18 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def plan_inputs_of(args: argparse.Namespace, device_type: str) -> PlanInputs:
     train_last = None if args.train_last == "all" else int(args.train_last)
-    return PlanInputs(cfg=LlamaConfig.from_name(args.model), batch_size=args.batch_size, seq_len=args.max_length,
-                  train_last=train_last, dtype=torch.bfloat16, gradient_checkpointing=args.gradient_checkpointing,
-                  world_size=args.world_size, device_type=device_type, shard=args.shard,
-                  lora=LoRASettings(args.lora) if args.lora else None)  # fmt: skip
+    return PlanInputs(
+        cfg=LlamaConfig.from_name(args.model),
+        batch_size=args.batch_size,
+        seq_len=args.max_length,
+        train_last=train_last,
+        dtype=torch.bfloat16,
+        gradient_checkpointing=args.gradient_checkpointing,
+        world_size=args.world_size,
+        device_type=device_type,
+        shard=args.shard,
+        lora=LoRASettings(args.lora) if args.lora else None,
+    )
 
 
 def batch_of(cfg: LlamaConfig, rows: int, length: int) -> dict:
@@ -155,8 +167,12 @@ def simulate(args: argparse.Namespace) -> dict:
             tracker.reset_mod_stats()  # FSDPMemTracker refuses a second forward of the root otherwise
             tracker._peak_mem, tracker._peak_mem_snap = {}, {}  # the next step's own peak
     peak = max(steps, key=lambda s: s["Total"])
-    return {"simulated_peak": peak["Total"], "steps": [s["Total"] for s in steps], "breakdown": peak,
-            "seconds": time.perf_counter() - started}  # fmt: skip
+    return {
+        "simulated_peak": peak["Total"],
+        "steps": [s["Total"] for s in steps],
+        "breakdown": peak,
+        "seconds": time.perf_counter() - started,
+    }
 
 
 class ReplicaTracker(MemTracker):
@@ -206,28 +222,48 @@ def main(argv: list[str] | None = None) -> int:
         + (", real tensors" if args.real else "")
     )
     print(what)
-    print(f"  simulated peak per process {sim['simulated_peak'] / GiB:8.2f} GiB  ({sim['seconds']:.1f} s; steps: "
-          + ", ".join(f"{n / GiB:.2f}" for n in sim["steps"]) + ")")  # fmt: skip
+    print(
+        f"  simulated peak per process {sim['simulated_peak'] / GiB:8.2f} GiB  ({sim['seconds']:.1f} s; steps: "
+        + ", ".join(f"{n / GiB:.2f}" for n in sim["steps"])
+        + ")"
+    )
     print("    at the peak: " + ", ".join(f"{k} {size(v)}" for k, v in sim["breakdown"].items() if k != "Total"))
     print(f"  plan peak per process      {plan.peak / GiB:8.2f} GiB  ({plan.peak_phase}; simulated / plan {ratio:.3f})")
     parts = ("weights", "gradients", "optimizer_state", "activations", "gathered")
     print("    " + ", ".join(f"{k.replace('_', ' ')} {size(getattr(plan, k))}" for k in parts))
     fits = "fits" if gpu_plan.fits(gpu_bytes) else "does not fit"
-    print(f"  plan for a GPU: peak {gpu_plan.peak / GiB:.2f} GiB, needed with margins {gpu_plan.required() / GiB:.2f}"
-          f" GiB: {fits} {args.gpu_memory:g} GiB; sharded, it fits from "
-          + (f"{fewest} processes" if fewest else "no world size up to 1024"))  # fmt: skip
+    print(
+        f"  plan for a GPU: peak {gpu_plan.peak / GiB:.2f} GiB, needed with margins {gpu_plan.required() / GiB:.2f}"
+        f" GiB: {fits} {args.gpu_memory:g} GiB; sharded, it fits from "
+        + (f"{fewest} processes" if fewest else "no world size up to 1024")
+    )
     if args.json:
-        print(json.dumps({
-            "model": args.model, "world_size": args.world_size, "shard": args.shard, "train_last": args.train_last,
-            "gradient_checkpointing": args.gradient_checkpointing, "lora": args.lora, "real": args.real,
-            "batch_size": args.batch_size, "max_length": args.max_length,
-            "simulated_peak_gib": sim["simulated_peak"] / GiB, "plan_peak_gib": plan.peak / GiB, "ratio": ratio,
-            "simulated_steps_gib": [n / GiB for n in sim["steps"]],
-            "simulated_breakdown_gib": {k: v / GiB for k, v in sim["breakdown"].items()},
-            "plan_gib": plan_parts(plan), "plan_peak_phase": plan.peak_phase,
-            "gpu_plan_required_gib": gpu_plan.required() / GiB, "gpu_fits": gpu_plan.fits(gpu_bytes),
-            "smallest_world_size": fewest, "seconds": sim["seconds"],
-        }))  # fmt: skip
+        print(
+            json.dumps(
+                {
+                    "model": args.model,
+                    "world_size": args.world_size,
+                    "shard": args.shard,
+                    "train_last": args.train_last,
+                    "gradient_checkpointing": args.gradient_checkpointing,
+                    "lora": args.lora,
+                    "real": args.real,
+                    "batch_size": args.batch_size,
+                    "max_length": args.max_length,
+                    "simulated_peak_gib": sim["simulated_peak"] / GiB,
+                    "plan_peak_gib": plan.peak / GiB,
+                    "ratio": ratio,
+                    "simulated_steps_gib": [n / GiB for n in sim["steps"]],
+                    "simulated_breakdown_gib": {k: v / GiB for k, v in sim["breakdown"].items()},
+                    "plan_gib": plan_parts(plan),
+                    "plan_peak_phase": plan.peak_phase,
+                    "gpu_plan_required_gib": gpu_plan.required() / GiB,
+                    "gpu_fits": gpu_plan.fits(gpu_bytes),
+                    "smallest_world_size": fewest,
+                    "seconds": sim["seconds"],
+                }
+            )
+        )
     return 0
 
 

@@ -16,9 +16,16 @@ import pytest
 from llama_scratch.sources import fetch as download
 
 # pip's words when the index cannot be reached (as opposed to any other failure, which must fail the test).
-_OFFLINE = ("NewConnectionError", "Network is unreachable", "Temporary failure in name resolution",
-            "Max retries exceeded", "ConnectTimeout", "ProxyError", "Failed to establish a new connection",
-            "offline mode is on")  # fmt: skip
+_OFFLINE = (
+    "NewConnectionError",
+    "Network is unreachable",
+    "Temporary failure in name resolution",
+    "Max retries exceeded",
+    "ConnectTimeout",
+    "ProxyError",
+    "Failed to establish a new connection",
+    "offline mode is on",
+)
 
 
 def smollm2_gguf() -> Path:

@@ -47,13 +47,51 @@ def sms_texts() -> list[str]:
 
 
 EDGE_CASES = [
-    "", " ", "  ", "     ", "\t", "\t\t x", "\n", "\n\n", "\r\n", "line1\r\nline2\r\n", " \n \n", "trailing   ",
-    "   leading", "a  1", "a \t 12 b", "x\n\n3", "0", "1234567890", "3.14159 + 2,718", "٣ ½ ² Ⅻ", "😀",
-    "👍🏽👨‍👩‍👧 🇫🇷", "日本語のテキスト", "中文测试，标点。", "안녕하세요", "مرحبا بالعالم", "שלום עולם", "Ελληνικά",
-    "ﬁ e\u0301 Å", "don't I'M we'll 'S", "<|im_start|>user\nhi<|im_end|>\n", "<|endoftext|>", "a<|im_end|>b",
-    "<|im_start", "\u00a0 \u2009 \u3000 x", "\u2028\u2029", "\x1c\x1e\x1f", "\x00\x01\x7f", "a\x04b",
-    "...!!!???", "$100 & 50%", "http://example.com/a?b=1&c=2", "x" * 3000, " " * 1000,
-]  # fmt: skip
+    "",
+    " ",
+    "  ",
+    "     ",
+    "\t",
+    "\t\t x",
+    "\n",
+    "\n\n",
+    "\r\n",
+    "line1\r\nline2\r\n",
+    " \n \n",
+    "trailing   ",
+    "   leading",
+    "a  1",
+    "a \t 12 b",
+    "x\n\n3",
+    "0",
+    "1234567890",
+    "3.14159 + 2,718",
+    "٣ ½ ² Ⅻ",
+    "😀",
+    "👍🏽👨‍👩‍👧 🇫🇷",
+    "日本語のテキスト",
+    "中文测试，标点。",
+    "안녕하세요",
+    "مرحبا بالعالم",
+    "שלום עולם",
+    "Ελληνικά",
+    "ﬁ e\u0301 Å",
+    "don't I'M we'll 'S",
+    "<|im_start|>user\nhi<|im_end|>\n",
+    "<|endoftext|>",
+    "a<|im_end|>b",
+    "<|im_start",
+    "\u00a0 \u2009 \u3000 x",
+    "\u2028\u2029",
+    "\x1c\x1e\x1f",
+    "\x00\x01\x7f",
+    "a\x04b",
+    "...!!!???",
+    "$100 & 50%",
+    "http://example.com/a?b=1&c=2",
+    "x" * 3000,
+    " " * 1000,
+]
 
 
 # --- synthetic GGUF files ---------------------------------------------------------------------------------------
@@ -70,9 +108,11 @@ def toy_vocab() -> tuple[list[str], list[int], list[str]]:
     it: tokens in id order (3 control tokens, the 256 bytes, then one per merge), token types, merges."""
     specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
     trainer = BpeTrainer(
-        vocab_size=600, special_tokens=specials, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        vocab_size=600,
+        special_tokens=specials,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
-    )  # fmt: skip
+    )
     bpe = HFTokenizer(BPE())
     bpe.pre_tokenizer = pre_tokenizers.Sequence(
         [pre_tokenizers.Digits(individual_digits=True), pre_tokenizers.ByteLevel(add_prefix_space=False)]
@@ -87,9 +127,19 @@ def toy_vocab() -> tuple[list[str], list[int], list[str]]:
 
 def tiny_model(vocab_size: int, tie: bool = True, **overrides) -> Llama:
     cfg = LlamaConfig(
-        vocab_size=vocab_size, dim=64, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=128, max_seq_len=256,
-        rope_theta=10_000.0, norm_eps=1e-5, tie_embeddings=tie, dtype=torch.float32, **overrides,
-    )  # fmt: skip
+        vocab_size=vocab_size,
+        dim=64,
+        n_layers=2,
+        n_heads=4,
+        n_kv_heads=2,
+        ffn_dim=128,
+        max_seq_len=256,
+        rope_theta=10_000.0,
+        norm_eps=1e-5,
+        tie_embeddings=tie,
+        dtype=torch.float32,
+        **overrides,
+    )
     torch.manual_seed(0)
     model = Llama(cfg).eval()
     with torch.no_grad():  # norms away from 1, so a swapped norm would show
@@ -100,17 +150,35 @@ def tiny_model(vocab_size: int, tie: bool = True, **overrides) -> Llama:
 
 
 def gguf_name(ours: str) -> str:
-    for old, new in [("embed_tokens", "token_embd"), ("final_norm", "output_norm"), ("lm_head", "output"),
-                     ("blocks.", "blk."), ("attention_norm", "attn_norm"), ("attention.q_proj", "attn_q"),
-                     ("attention.k_proj", "attn_k"), ("attention.v_proj", "attn_v"),
-                     ("attention.o_proj", "attn_output"), ("ffn.gate_proj", "ffn_gate"), ("ffn.up_proj", "ffn_up"),
-                     ("ffn.down_proj", "ffn_down")]:  # fmt: skip
+    for old, new in [
+        ("embed_tokens", "token_embd"),
+        ("final_norm", "output_norm"),
+        ("lm_head", "output"),
+        ("blocks.", "blk."),
+        ("attention_norm", "attn_norm"),
+        ("attention.q_proj", "attn_q"),
+        ("attention.k_proj", "attn_k"),
+        ("attention.v_proj", "attn_v"),
+        ("attention.o_proj", "attn_output"),
+        ("ffn.gate_proj", "ffn_gate"),
+        ("ffn.up_proj", "ffn_up"),
+        ("ffn.down_proj", "ffn_down"),
+    ]:
         ours = ours.replace(old, new)
     return ours
 
 
-def write_gguf(path: Path, model: Llama, qtype=Q.Q8_0, *, arch: str = "llama", pre: str = "smollm",
-               tokenizer_model: str = "gpt2", types: dict[str, Q] | None = None, rope_freqs=None) -> Path:  # fmt: skip
+def write_gguf(
+    path: Path,
+    model: Llama,
+    qtype=Q.Q8_0,
+    *,
+    arch: str = "llama",
+    pre: str = "smollm",
+    tokenizer_model: str = "gpt2",
+    types: dict[str, Q] | None = None,
+    rope_freqs=None,
+) -> Path:
     """`model` as llama.cpp would write it: q/k rows permuted, 2-D weights as `qtype`, norms in F32."""
     cfg = model.cfg
     tokens, token_types, merges = toy_vocab()
@@ -181,8 +249,12 @@ def test_tiny_gguf_converts_to_the_same_model(tmp_path, qtype):
     model = tiny_model(len(toy_vocab()[0]))
     out = convert_gguf(write_gguf(tmp_path / "tiny.gguf", model, qtype), tmp_path / "ckpt", progress=False)
     assert sorted(p.name for p in out.iterdir()) == [
-        "SOURCE.md", "config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json",
-    ]  # fmt: skip
+        "SOURCE.md",
+        "config.json",
+        "model.safetensors",
+        "tokenizer.json",
+        "tokenizer_config.json",
+    ]
     ours = load_model(out).eval()
     cfg = ours.cfg
     assert (cfg.dim, cfg.n_layers, cfg.n_heads, cfg.n_kv_heads, cfg.ffn_dim, cfg.vocab_size) == (64, 2, 4, 2, 128, 600)
@@ -243,9 +315,11 @@ def test_unsupported_tensor_type_is_named(tmp_path):
 
 @pytest.mark.parametrize(
     ("kwargs", "message"),
-    [({"tokenizer_model": "llama"}, r"tokenizer.ggml.model 'llama' is not supported"),
-     ({"pre": "deepseek-coder"}, r"tokenizer.ggml.pre='deepseek-coder' is not supported")],
-)  # fmt: skip
+    [
+        ({"tokenizer_model": "llama"}, r"tokenizer.ggml.model 'llama' is not supported"),
+        ({"pre": "deepseek-coder"}, r"tokenizer.ggml.pre='deepseek-coder' is not supported"),
+    ],
+)
 def test_unsupported_tokenizer_is_named(tmp_path, kwargs, message):
     path = write_gguf(tmp_path / "t.gguf", tiny_model(len(toy_vocab()[0])), **kwargs)
     with pytest.raises(GGUFError, match=message):
@@ -328,8 +402,13 @@ def smollm2_tokenizer(smollm2_dir) -> Tokenizer:
 def test_smollm2_config(smollm2_dir):
     cfg = LlamaConfig.from_hf(smollm2_dir)
     assert (cfg.vocab_size, cfg.dim, cfg.n_layers, cfg.n_heads, cfg.n_kv_heads, cfg.ffn_dim) == (
-        49152, 576, 30, 9, 3, 1536,
-    )  # fmt: skip
+        49152,
+        576,
+        30,
+        9,
+        3,
+        1536,
+    )
     assert cfg.tie_embeddings and cfg.rope_theta == 100_000.0 and cfg.max_seq_len == 8192
     assert cfg.dtype == torch.float32 and cfg.rope_scaling is None
     assert "apache-2.0" in (smollm2_dir / "SOURCE.md").read_text()

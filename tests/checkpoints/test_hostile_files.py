@@ -364,8 +364,11 @@ def write_small_gguf(path: Path, endianess=gguf.GGUFEndian.LITTLE) -> Path:
     w.add_token_types([1] * 40)
     w.add_array("test.floats", [0.5, 1.5])
     embed = np.random.default_rng(0).standard_normal((8, 64)).astype(np.float32)
-    w.add_tensor("token_embd.weight", gguf.quants.quantize(embed, gguf.GGMLQuantizationType.Q8_0),
-                 raw_dtype=gguf.GGMLQuantizationType.Q8_0)  # fmt: skip
+    w.add_tensor(
+        "token_embd.weight",
+        gguf.quants.quantize(embed, gguf.GGMLQuantizationType.Q8_0),
+        raw_dtype=gguf.GGMLQuantizationType.Q8_0,
+    )
     w.add_tensor("output_norm.weight", np.linspace(0.5, 1.5, 64, dtype=np.float32))
     w.write_header_to_file()
     w.write_kv_data_to_file()

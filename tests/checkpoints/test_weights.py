@@ -35,9 +35,16 @@ VOCAB = 1000
 
 def small_config(tied: bool, dtype: torch.dtype = torch.float32) -> LlamaConfig:
     return LlamaConfig(
-        vocab_size=VOCAB, dim=64, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=128, max_seq_len=64,
-        tie_embeddings=tied, dtype=dtype,
-    )  # fmt: skip
+        vocab_size=VOCAB,
+        dim=64,
+        n_layers=2,
+        n_heads=4,
+        n_kv_heads=2,
+        ffn_dim=128,
+        max_seq_len=64,
+        tie_embeddings=tied,
+        dtype=dtype,
+    )
 
 
 def hf_model(cfg: LlamaConfig, seed: int = 0):
@@ -569,8 +576,18 @@ def test_best_weights_are_read_back_in_place_one_tensor_at_a_time(tmp_path):
     sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
     import gpu_8b
 
-    cfg = LlamaConfig(vocab_size=512, dim=256, n_layers=12, n_heads=4, n_kv_heads=2, head_dim=64, ffn_dim=768,
-                      max_seq_len=64, tie_embeddings=True, dtype=torch.float32)  # fmt: skip
+    cfg = LlamaConfig(
+        vocab_size=512,
+        dim=256,
+        n_layers=12,
+        n_heads=4,
+        n_kv_heads=2,
+        head_dim=64,
+        ffn_dim=768,
+        max_seq_len=64,
+        tie_embeddings=True,
+        dtype=torch.float32,
+    )
     torch.manual_seed(0)
     trained = LlamaClassifier(Llama(cfg), 2, train_last=None)
     save_weights(dict(trained.named_parameters()), tmp_path / "best.safetensors")  # as save_classifier does

@@ -184,8 +184,11 @@ def add_adapters(run, out) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
         metadata = f.metadata()
     tensors = load_file(out / "classifier.safetensors")
     cfg = LlamaConfig.from_hf_dict(json.loads((out / "classifier.json").read_text())["config"])
-    shapes = {"q_proj": (cfg.n_heads * cfg.head_dim, cfg.dim), "v_proj": (cfg.n_kv_heads * cfg.head_dim, cfg.dim),
-              "down_proj": (cfg.dim, cfg.ffn_dim)}  # fmt: skip
+    shapes = {
+        "q_proj": (cfg.n_heads * cfg.head_dim, cfg.dim),
+        "v_proj": (cfg.n_kv_heads * cfg.head_dim, cfg.dim),
+        "down_proj": (cfg.dim, cfg.ffn_dim),
+    }
     adapters = {}
     for block, path in ADAPTED:
         rows, cols = shapes[path.split(".")[-1]]
@@ -195,8 +198,7 @@ def add_adapters(run, out) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
         adapters[f"blocks.{block}.{path}"] = (a, b)
     save_file(tensors, out / "classifier.safetensors", metadata=metadata)
     meta = json.loads((out / "classifier.json").read_text())
-    meta["lora"] = {"rank": RANK, "alpha": ALPHA, "dropout": 0.05, "targets": ["q", "v", "down"],
-                    "blocks": [2, 3]}  # fmt: skip
+    meta["lora"] = {"rank": RANK, "alpha": ALPHA, "dropout": 0.05, "targets": ["q", "v", "down"], "blocks": [2, 3]}
     (out / "classifier.json").write_text(json.dumps(meta))
     return adapters
 

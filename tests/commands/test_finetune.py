@@ -319,8 +319,26 @@ def test_ctrl_c_while_caching_keeps_the_flags_and_a_bare_resume_continues(small_
     """Ctrl-C before the first step (here while the frozen layers are cached) says so and keeps the run's folder
     with its flags; then `--resume` alone, as the message and docs/finetuning.md say, trains the same weights as a
     run that was never interrupted."""
-    argv = ["--model", "tiny", "--data", str(small_csv), "--split", "full", "--epochs", "2", "--train-last", "1",
-            "--lr", "1e-3", "--max-length", "48", "--batch-size", "8", "--cache-frozen", "on"]  # fmt: skip
+    argv = [
+        "--model",
+        "tiny",
+        "--data",
+        str(small_csv),
+        "--split",
+        "full",
+        "--epochs",
+        "2",
+        "--train-last",
+        "1",
+        "--lr",
+        "1e-3",
+        "--max-length",
+        "48",
+        "--batch-size",
+        "8",
+        "--cache-frozen",
+        "on",
+    ]
     assert finetune_classifier.main([*argv, "--output", str(tmp_path / "whole")]) == 0
     monkeypatch.chdir(tmp_path)  # the default output goes to runs/ here
     with monkeypatch.context() as m:

@@ -75,8 +75,9 @@ def test_asking_for_a_missing_gpu_is_one_line(small_csv, tmp_path):
         ("finetune_classifier", ["--model", "tiny", "--data", str(small_csv), "--output", str(tmp_path / "o")]),
         ("classify", ["--checkpoint", str(tmp_path), "hello"]),
     ):
-        r = subprocess.run([sys.executable, "-m", f"llama_scratch.{module}", *argv, "--device", "cuda"],
-                           capture_output=True, text=True)  # fmt: skip
+        r = subprocess.run(
+            [sys.executable, "-m", f"llama_scratch.{module}", *argv, "--device", "cuda"], capture_output=True, text=True
+        )
         assert (
             r.returncode == 2 and r.stderr.strip() == "error: --device cuda: no CUDA GPU is visible; use --device cpu"
         )
@@ -173,8 +174,9 @@ def test_small_data_gets_more_epochs_and_a_useless_model_is_called_out():
     assert settings.epochs == 20 and "20 epochs instead of 5" in lines[0]  # 42 rows: 5 steps an epoch -> 100 steps
     big = finetune_classifier.train_settings(args, False, [0, 1] * 520, 2, Processes(), lines.append)
     assert big.epochs == 5 and len(lines) == 1  # the default job is left as it was
-    fixed = finetune_classifier.train_settings(finetune_classifier.parse_args(["--epochs", "3"]), False, [0, 1] * 21, 2,
-                                       Processes(), lines.append)  # fmt: skip
+    fixed = finetune_classifier.train_settings(
+        finetune_classifier.parse_args(["--epochs", "3"]), False, [0, 1] * 21, 2, Processes(), lines.append
+    )
     assert fixed.epochs == 3
     finetune_classifier.warn_if_one_class(0.5, [0, 0, 1, 1], lines.append)
     assert "no better than always answering the commonest class" in lines[-1]
@@ -182,10 +184,30 @@ def test_small_data_gets_more_epochs_and_a_useless_model_is_called_out():
     assert len(lines) == 2
 
 
-POSITIVE = ["loved", "great", "wonderful", "excellent", "fantastic", "delightful", "superb", "brilliant", "amazing",
-            "perfect"]  # fmt: skip
-NEGATIVE = ["hated", "awful", "terrible", "dreadful", "horrible", "disappointing", "poor", "boring", "useless",
-            "broken"]  # fmt: skip
+POSITIVE = [
+    "loved",
+    "great",
+    "wonderful",
+    "excellent",
+    "fantastic",
+    "delightful",
+    "superb",
+    "brilliant",
+    "amazing",
+    "perfect",
+]
+NEGATIVE = [
+    "hated",
+    "awful",
+    "terrible",
+    "dreadful",
+    "horrible",
+    "disappointing",
+    "poor",
+    "boring",
+    "useless",
+    "broken",
+]
 THINGS = ["the film", "this blender", "the hotel", "our dinner", "the service", "this phone"]
 
 

@@ -18,9 +18,16 @@ pytest_plugins = ["tests.smollm2"]  # the SmolLM2 fixtures: smollm2_gguf_file, s
 
 def tiny(n_kv_heads: int = 2, **overrides) -> Llama:
     cfg = LlamaConfig(
-        vocab_size=97, dim=64, n_layers=3, n_heads=4, n_kv_heads=n_kv_heads, ffn_dim=96, max_seq_len=64,
-        dtype=torch.float32, **overrides,
-    )  # fmt: skip
+        vocab_size=97,
+        dim=64,
+        n_layers=3,
+        n_heads=4,
+        n_kv_heads=n_kv_heads,
+        ffn_dim=96,
+        max_seq_len=64,
+        dtype=torch.float32,
+        **overrides,
+    )
     torch.manual_seed(0)
     model = Llama(cfg).eval()
     with torch.no_grad():  # larger weights than the init, so that logits are far from uniform
@@ -58,7 +65,7 @@ def test_cached_generation_equals_uncached(temperature):
             top_k=20,
             use_cache=use_cache,
             generator=torch.Generator().manual_seed(1),
-        )  # fmt: skip
+        )
         for use_cache in (True, False)
     ]
     assert len(runs[0]) == 40 and runs[0] == runs[1]

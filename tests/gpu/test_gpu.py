@@ -277,8 +277,10 @@ def test_attention_at_the_training_shapes_is_a_fused_kernel(base, gpu_device, gp
     assert calls == 2 * CFG.n_layers, seen  # the detection saw every block's attention, training and evaluating
     assert sum(forwards.values()) == calls, seen  # and which kernel each call went to
     if gpu_device.type != "cuda":
-        pytest.skip(f"on the CPU override: the detection works (saw {dict(seen)}), but the CPU's kernels say nothing "
-                    "about which kernel CUDA chooses")  # fmt: skip
+        pytest.skip(
+            f"on the CPU override: the detection works (saw {dict(seen)}), but the CPU's kernels say nothing "
+            "about which kernel CUDA chooses"
+        )
     assert not [name for name in seen if "math" in name or "cudnn" in name], seen
     assert all(any(kind in name for kind in FUSED) for name in forwards), seen
 
@@ -292,9 +294,28 @@ def device_flag(device: torch.device) -> str:
 
 def finetune_flags(base: Path, data: Path, out: Path, device: torch.device) -> list[str]:
     """finetune_classifier as a user types it: our checkpoint, the SMS sample, a short run of the last block."""
-    return ["--model", str(base), "--data", str(data), "--split", "full", "--output", str(out), "--device",
-            device_flag(device), "--train-last", "1", "--max-steps", "6", "--batch-size", "8", "--max-length", "32",
-            "--lr", "1e-3"]  # fmt: skip
+    return [
+        "--model",
+        str(base),
+        "--data",
+        str(data),
+        "--split",
+        "full",
+        "--output",
+        str(out),
+        "--device",
+        device_flag(device),
+        "--train-last",
+        "1",
+        "--max-steps",
+        "6",
+        "--batch-size",
+        "8",
+        "--max-length",
+        "32",
+        "--lr",
+        "1e-3",
+    ]
 
 
 def torchrun(processes: int, *flags: str) -> subprocess.CompletedProcess:
@@ -305,8 +326,17 @@ def torchrun(processes: int, *flags: str) -> subprocess.CompletedProcess:
         "OMP_NUM_THREADS": "1",
         "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]),
     }
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(processes),
-               "-m", "llama_scratch.finetune_classifier", *flags]  # fmt: skip
+    command = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc_per_node",
+        str(processes),
+        "-m",
+        "llama_scratch.finetune_classifier",
+        *flags,
+    ]
     return subprocess.run(command, capture_output=True, text=True, env=env, timeout=300)
 
 

@@ -185,8 +185,13 @@ def test_saved_run_classifies_as_at_the_end_of_training(small_csv, base, tmp_pat
     saved = set(load_file(out / "classifier.safetensors"))
     assert saved == set(clf.trainable_parameters())
     if lora:
-        assert meta["lora"] == {"rank": 4, "alpha": 8.0, "dropout": 0.0, "targets": ["q", "v", "o", "down"],
-                                "blocks": [2, 3]}  # fmt: skip
+        assert meta["lora"] == {
+            "rank": 4,
+            "alpha": 8.0,
+            "dropout": 0.0,
+            "targets": ["q", "v", "o", "down"],
+            "blocks": [2, 3],
+        }
         assert len(saved) == 2 + 2 * 4 * 2 and "backbone.blocks.3.attention.q_proj.lora_a" in saved
         assert clf.backbone.blocks[3].attention.q_proj.lora_b.abs().sum() > 0  # B moved from zero: it trained
     else:

@@ -176,8 +176,16 @@ def test_sigterm_to_one_sharded_process_stops_both_at_one_step_and_resumes(check
     full, cut = tmp_path / "full", tmp_path / "cut"
     common = ("--train-last", "2", "--batch-size", "4", "--save-every", "1000", "--epochs", "3", "--shard")
     argv = args_for(checkpoint, small_csv, cut, *common)
-    launch = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "-m",
-              "llama_scratch.finetune_classifier", *argv]  # fmt: skip
+    launch = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc_per_node=2",
+        "-m",
+        "llama_scratch.finetune_classifier",
+        *argv,
+    ]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     with (tmp_path / "stdout.txt").open("w") as stdout, (tmp_path / "stderr.txt").open("w") as stderr:
         proc = subprocess.Popen(launch, env=env, start_new_session=True, stdout=stdout, stderr=stderr)

@@ -59,8 +59,25 @@ def assert_rounding_apart(a: dict, b: dict, steps: int, lr: float, dtype: torch.
 
 
 def args_for(model: Path, data: Path, out: Path, *extra: str) -> list[str]:
-    return ["--model", str(model), "--dtype", "float32", "--data", str(data), "--split", "full", "--output",
-            str(out), "--epochs", "2", "--lr", "1e-3", "--max-length", "48", *extra]  # fmt: skip
+    return [
+        "--model",
+        str(model),
+        "--dtype",
+        "float32",
+        "--data",
+        str(data),
+        "--split",
+        "full",
+        "--output",
+        str(out),
+        "--epochs",
+        "2",
+        "--lr",
+        "1e-3",
+        "--max-length",
+        "48",
+        *extra,
+    ]
 
 
 @pytest.mark.slow
@@ -77,8 +94,9 @@ def args_for(model: Path, data: Path, out: Path, *extra: str) -> list[str]:
 def test_two_sharded_processes_equal_one_process(checkpoint, small_csv, tmp_path, recipe):
     one_recipe = [a for a in recipe if a not in ("--shard-group", "1")]
     one = run_module(*args_for(checkpoint, small_csv, tmp_path / "one", *one_recipe, "--batch-size", "8"))
-    two = run_module(*args_for(checkpoint, small_csv, tmp_path / "two", *recipe, "--batch-size", "4", "--shard"),
-                     torchrun=2)  # fmt: skip
+    two = run_module(
+        *args_for(checkpoint, small_csv, tmp_path / "two", *recipe, "--batch-size", "4", "--shard"), torchrun=2
+    )
     assert one.returncode == 0, one.stderr
     assert two.returncode == 0, two.stderr
     assert "sharded across 2 processes" in two.stdout
@@ -131,8 +149,18 @@ teardown()
 def test_sharded_load_holds_half_per_process(tmp_path):
     """12 blocks of many tensors: each of two processes holds half the bytes (+/- one tensor), and its memory grows
     by about that much while loading, not by the whole checkpoint."""
-    cfg = LlamaConfig(vocab_size=512, dim=256, n_layers=12, n_heads=4, n_kv_heads=2, head_dim=64, ffn_dim=768,
-                      max_seq_len=128, tie_embeddings=True, dtype=torch.float32)  # fmt: skip
+    cfg = LlamaConfig(
+        vocab_size=512,
+        dim=256,
+        n_layers=12,
+        n_heads=4,
+        n_kv_heads=2,
+        head_dim=64,
+        ffn_dim=768,
+        max_seq_len=128,
+        tie_embeddings=True,
+        dtype=torch.float32,
+    )
     save_checkpoint(Llama(cfg), cfg, tmp_path / "ckpt")  # 38 MB
     small = dataclasses.replace(cfg, n_layers=1, dim=64, n_heads=2, n_kv_heads=1, head_dim=32, ffn_dim=128)
     save_checkpoint(Llama(small), small, tmp_path / "small")
@@ -160,11 +188,20 @@ def test_sharded_run_killed_mid_epoch_resumes_to_the_same_weights(checkpoint, sm
     assert uninterrupted.returncode == 0, uninterrupted.stderr
 
     argv = args_for(checkpoint, small_csv, killed, *common)
-    launch = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "-m",
-              "llama_scratch.finetune_classifier", *argv]  # fmt: skip
+    launch = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc_per_node=2",
+        "-m",
+        "llama_scratch.finetune_classifier",
+        *argv,
+    ]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    proc = subprocess.Popen(launch, env=env, start_new_session=True, stdout=subprocess.DEVNULL,
-                            stderr=subprocess.DEVNULL)  # fmt: skip
+    proc = subprocess.Popen(
+        launch, env=env, start_new_session=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+    )
     deadline = time.time() + 120
     while not (killed / "resume.sharded" / "current").exists() and time.time() < deadline and proc.poll() is None:
         time.sleep(0.05)
@@ -217,7 +254,7 @@ def test_bfloat16_sharded_run_steps_float32_masters(checkpoint, small_csv, tmp_p
             "bfloat16",
         ),
         torchrun=2,
-    )  # fmt: skip (the last --dtype wins)
+    )  # the last --dtype wins
     assert r.returncode == 0, r.stderr
     trained = load_file(out / "classifier.safetensors")
     base = load_file(checkpoint / "model.safetensors")
@@ -287,8 +324,18 @@ def test_sharded_run_caches_the_frozen_layers_and_trains_as_without(checkpoint, 
     and figures the sharded run without the cache reaches."""
     runs = {}
     for choice in ("on", "off"):
-        argv = args_for(checkpoint, small_csv, tmp_path / choice, "--train-last", "2", "--batch-size", "4",
-                        "--shard", "--cache-frozen", choice)  # fmt: skip
+        argv = args_for(
+            checkpoint,
+            small_csv,
+            tmp_path / choice,
+            "--train-last",
+            "2",
+            "--batch-size",
+            "4",
+            "--shard",
+            "--cache-frozen",
+            choice,
+        )
         runs[choice] = run_module(*argv, torchrun=2)
         assert runs[choice].returncode == 0, runs[choice].stderr
     assert "caching the output of the 2 frozen blocks for every text" in runs["on"].stdout
@@ -310,8 +357,22 @@ def test_sharded_run_from_random_weights_writes_the_file_one_process_writes(smal
     """`--model tiny --train-last all` (random weights, a tied embedding: the whole classifier is saved), typed as
     a user types it, alone and under torchrun with --shard: the same tensors under the same names and shapes, and
     the same values. The sharded file held the tied embedding a second time, as backbone.lm_head.weight (issue 29 j)."""
-    common = ["--model", "tiny", "--train-last", "all", "--data", str(small_csv), "--split", "full", "--epochs", "1",
-              "--max-length", "48", "--lr", "1e-3"]  # fmt: skip
+    common = [
+        "--model",
+        "tiny",
+        "--train-last",
+        "all",
+        "--data",
+        str(small_csv),
+        "--split",
+        "full",
+        "--epochs",
+        "1",
+        "--max-length",
+        "48",
+        "--lr",
+        "1e-3",
+    ]
     one = run_module(*common, "--output", str(tmp_path / "one"), "--batch-size", "8")
     two = run_module(*common, "--output", str(tmp_path / "two"), "--batch-size", "4", "--shard", torchrun=2)
     assert one.returncode == 0, one.stderr

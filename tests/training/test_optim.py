@@ -112,16 +112,19 @@ def test_bfloat16_training_with_the_default_recipe_learns_like_float32():
     reference, default = trained(torch.float32, "float32"), trained(torch.bfloat16, "float32")
     lossy = trained(torch.bfloat16, "param")
     gains = [n for n in reference if n.endswith("norm.weight")]
-    moved = {name: sum((w[n] != 1.0).float().mean().item() for n in gains) / len(gains) for name, w in
-             (("float32", reference), ("default", default), ("param", lossy))}  # fmt: skip
+    moved = {
+        name: sum((w[n] != 1.0).float().mean().item() for n in gains) / len(gains)
+        for name, w in (("float32", reference), ("default", default), ("param", lossy))
+    }
 
     def distance(w: dict) -> float:
         return sum((w[n] - reference[n]).norm().item() for n in reference) / sum(
             (start[n] - reference[n]).norm().item() for n in reference
         )
 
-    print(f"norm gains moved: {moved}; distance to float32: default {distance(default):.3f}, "
-          f"param {distance(lossy):.3f}")  # fmt: skip
+    print(
+        f"norm gains moved: {moved}; distance to float32: default {distance(default):.3f}, param {distance(lossy):.3f}"
+    )
     assert moved["param"] == 0.0 and moved["default"] > 0.5
     assert distance(default) < 0.5 * distance(lossy)
 
@@ -134,8 +137,10 @@ def test_make_optimizer_fuses_on_the_cpu_and_matches_one_tensor_at_a_time():
     reference.load_state_dict(model.state_dict())
     fused = make_optimizer(model, TrainSettings())
     assert isinstance(fused, MasterWeightAdamW) and all(g["fused"] for g in fused.param_groups)
-    groups = [{"params": [p for p in reference.parameters() if p.ndim >= 2], "weight_decay": 0.1},
-              {"params": [p for p in reference.parameters() if p.ndim < 2], "weight_decay": 0.0}]  # fmt: skip
+    groups = [
+        {"params": [p for p in reference.parameters() if p.ndim >= 2], "weight_decay": 0.1},
+        {"params": [p for p in reference.parameters() if p.ndim < 2], "weight_decay": 0.0},
+    ]
     loop = MasterWeightAdamW(groups, lr=TrainSettings().lr, betas=(0.9, 0.95), eps=1e-8, foreach=False)
     for step in range(4):
         for net in (model, reference):
