@@ -42,6 +42,7 @@ from llama_scratch.finetune_settings import FinetuneSettings, parse_args
 from llama_scratch.model.tokenizer import Tokenizer
 from llama_scratch.sources.fetch import fetch_smollm2
 from llama_scratch.training.baseline import bag_of_words
+from llama_scratch.training.loop import TrainSettings
 from llama_scratch.training.search import CANDIDATES, Candidate, best_of, search
 
 HERE = Path(__file__).resolve().parent
@@ -104,7 +105,7 @@ def read_parts(data: Path, weights: Path, scratch: Path, seed: int) -> dict:
     return job.parts
 
 
-def trainer(weights: Path, parts: dict, max_length: int, train_rows: int, seed: int = 123) -> dict:
+def trainer(weights: Path, parts: dict, max_length: int, train_rows: int, seed: int = TrainSettings.seed) -> dict:
     """transformers' Trainer, full fine-tuning with its defaults, on the same splits (train capped at `train_rows`)."""
     import transformers
     from transformers import AutoModelForSequenceClassification, AutoTokenizer, Trainer, TrainingArguments
@@ -229,7 +230,12 @@ def main() -> None:
         help="our recipes as LAST@LR, comma-separated, e.g. 2@2e-4,2@1e-3 (default: every candidate of --search and "
         "the head alone)",
     )
-    parser.add_argument("--seed", type=int, default=123, help="the command's --seed: the splits and the head's init")
+    parser.add_argument(
+        "--seed",
+        type=int,
+        default=TrainSettings.seed,
+        help=f"the command's --seed: the splits and the head's init (default: {TrainSettings.seed})",
+    )
     parser.add_argument("--trainer", action="store_true", help="also run transformers' Trainer on each task")
     parser.add_argument("--trainer-rows", type=int, default=600, help="its training rows at most (default: 600)")
     parser.add_argument("--json", type=Path, default=SUITE / "recipes.json", help="where the results go")
@@ -250,7 +256,7 @@ def main() -> None:
         return text if len(ids) <= args.max_length else tokenizer.decode(ids[: args.max_length]).rsplit(" ", 1)[0]
 
     for task in names:
-        name = task if args.seed == 123 else f"{task} seed {args.seed}"
+        name = task if args.seed == TrainSettings.seed else f"{task} seed {args.seed}"
         done = record["tasks"].get(name)
         if done is not None and (not args.trainer or "trainer" in done):
             print(f"{name}: in {args.json} already")
