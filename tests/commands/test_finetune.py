@@ -24,13 +24,22 @@ def args_for(data: Path, out: Path, *extra: str) -> list[str]:
     return common + ["--train-last", "2", "--lr", "1e-3", "--max-length", "48", *extra]
 
 
-def run_module(*args: str, torchrun: int = 0, **kwargs) -> subprocess.CompletedProcess:
+def one_thread() -> dict[str, str]:
+    """The environment for a test's command, read when it starts: one thread a process (the two cores are shared)."""
+    return {**os.environ, "OMP_NUM_THREADS": "1"}
+
+
+def finetune_command(*args: str, torchrun: int = 0) -> list[str]:
+    """The command line of `python -m llama_scratch.finetune_classifier ARGS`, under torchrun with that many
+    processes if `torchrun`."""
     # --standalone: a free port each time, so that runs on two pytest workers (`pytest -n 2`) do not collide
     torchrun_args = ["-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={torchrun}"]
-    launcher = [sys.executable, *(torchrun_args if torchrun else [])]
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    return [sys.executable, *(torchrun_args if torchrun else []), "-m", "llama_scratch.finetune_classifier", *args]
+
+
+def run_module(*args: str, torchrun: int = 0, **kwargs) -> subprocess.CompletedProcess:
     return subprocess.run(
-        [*launcher, "-m", "llama_scratch.finetune_classifier", *args], capture_output=True, text=True, env=env, **kwargs
+        finetune_command(*args, torchrun=torchrun), capture_output=True, text=True, env=one_thread(), **kwargs
     )
 
 
@@ -151,8 +160,7 @@ def test_resume_after_kill_equals_uninterrupted_run(small_csv, tmp_path):
     assert uninterrupted.returncode == 0, uninterrupted.stderr
 
     argv = args_for(small_csv, killed, "--batch-size", "4", "--save-every", "1")
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    proc = subprocess.Popen([sys.executable, "-m", "llama_scratch.finetune_classifier", *argv], env=env)
+    proc = subprocess.Popen(finetune_command(*argv), env=one_thread())
     deadline = time.time() + 120
     while not (killed / "resume.safetensors").exists() and time.time() < deadline and proc.poll() is None:
         time.sleep(0.05)
@@ -178,11 +186,8 @@ def test_resume_after_kill_equals_uninterrupted_run(small_csv, tmp_path):
 @pytest.mark.slow
 def test_ctrl_c_saves_a_resume_point(small_csv, tmp_path):
     out = tmp_path / "run"
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
     argv = args_for(small_csv, out, "--batch-size", "2", "--save-every", "1000", "--epochs", "200")
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "llama_scratch.finetune_classifier", *argv], env=env, stderr=subprocess.PIPE, text=True
-    )
+    proc = subprocess.Popen(finetune_command(*argv), env=one_thread(), stderr=subprocess.PIPE, text=True)
     # Training has started once the first epoch's evaluation has saved a point (in a log, progress bars write a
     # line only when one ends); 200 epochs leave it far from its end when the signal comes.
     deadline = time.time() + 120

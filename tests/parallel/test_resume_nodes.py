@@ -14,7 +14,7 @@ import pytest
 from safetensors.torch import load_file
 
 from llama_scratch.checkpoints.resume import read_point
-from tests.commands.test_finetune import run_module
+from tests.commands.test_finetune import finetune_command, one_thread, run_module
 from tests.parallel.test_distributed import run_on_two_processes
 from tests.parallel.test_sharding import args_for, checkpoint  # noqa: F401 -- the fixture, shared
 
@@ -176,19 +176,9 @@ def test_sigterm_to_one_sharded_process_stops_both_at_one_step_and_resumes(check
     full, cut = tmp_path / "full", tmp_path / "cut"
     common = ("--train-last", "2", "--batch-size", "4", "--save-every", "1000", "--epochs", "3", "--shard")
     argv = args_for(checkpoint, small_csv, cut, *common)
-    launch = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--standalone",
-        "--nproc_per_node=2",
-        "-m",
-        "llama_scratch.finetune_classifier",
-        *argv,
-    ]
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    launch = finetune_command(*argv, torchrun=2)
     with (tmp_path / "stdout.txt").open("w") as stdout, (tmp_path / "stderr.txt").open("w") as stderr:
-        proc = subprocess.Popen(launch, env=env, start_new_session=True, stdout=stdout, stderr=stderr)
+        proc = subprocess.Popen(launch, env=one_thread(), start_new_session=True, stdout=stdout, stderr=stderr)
         deadline = time.time() + 240
         while not (cut / "resume.sharded" / "current").exists() and time.time() < deadline and proc.poll() is None:
             time.sleep(0.05)  # until epoch 1's end is saved: the signal comes in epoch 2
@@ -267,7 +257,6 @@ def test_a_schedulers_sigterm_to_every_process_still_saves_a_resume_point(tmp_pa
     save (found by review, 2026-11-26: a second SIGTERM used to mean "stop at once, without saving", so none did)."""
     script = tmp_path / "slow.py"
     script.write_text(SLOW_TRAINING)
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
     launch = [
         sys.executable,
         "-m",
@@ -278,7 +267,7 @@ def test_a_schedulers_sigterm_to_every_process_still_saves_a_resume_point(tmp_pa
         str(tmp_path),
     ]
     with (tmp_path / "stdout").open("w") as out, (tmp_path / "stderr").open("w") as err:
-        proc = subprocess.Popen(launch, env=env, stdout=out, stderr=err, start_new_session=True)
+        proc = subprocess.Popen(launch, env=one_thread(), stdout=out, stderr=err, start_new_session=True)
         deadline = time.time() + 120
         while not all((tmp_path / f"stepping{r}").exists() for r in (0, 1)) and time.time() < deadline:
             time.sleep(0.05)

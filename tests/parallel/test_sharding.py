@@ -7,7 +7,6 @@ import math
 import os
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -18,7 +17,7 @@ from safetensors.torch import load_file
 from llama_scratch.checkpoints.weights import save_checkpoint
 from llama_scratch.model.config import LlamaConfig
 from llama_scratch.model.llama import Llama
-from tests.commands.test_finetune import run_module
+from tests.commands.test_finetune import finetune_command, one_thread, run_module
 from tests.parallel.test_distributed import run_on_two_processes
 
 
@@ -188,19 +187,9 @@ def test_sharded_run_killed_mid_epoch_resumes_to_the_same_weights(checkpoint, sm
     assert uninterrupted.returncode == 0, uninterrupted.stderr
 
     argv = args_for(checkpoint, small_csv, killed, *common)
-    launch = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--standalone",
-        "--nproc_per_node=2",
-        "-m",
-        "llama_scratch.finetune_classifier",
-        *argv,
-    ]
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    launch = finetune_command(*argv, torchrun=2)
     proc = subprocess.Popen(
-        launch, env=env, start_new_session=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+        launch, env=one_thread(), start_new_session=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
     )
     deadline = time.time() + 120
     while not (killed / "resume.sharded" / "current").exists() and time.time() < deadline and proc.poll() is None:
