@@ -233,7 +233,7 @@ def prepare(settings: FinetuneSettings, progress: Progress) -> tuple[Job, TrainS
     if output.resume and settings.recipe.search and (chosen := chosen_before(out)):
         choice.train_last, recipe.lr = chosen.train_last, chosen.lr  # what its resume points were trained with
     if output.resume:
-        check_resume_point(job, recipe)  # another run's point is refused before minutes of loading and caching
+        check_resume_point(job, recipe, log)  # another run's point is refused before minutes of loading and caching
     start_output(out, output.resume, output.output is None, strategy, recorded_flags(settings))
     progress.out = out
     if strategy.refuses_unfit_replica:  # DDP on GPUs: before a replica that cannot fit is loaded

@@ -53,15 +53,26 @@ class Job:
     board: Callable[[dict], None] | None = None  # --tensorboard: writes each history row (training.board)
 
 
-def check_resume_point(job: Job, settings: TrainSettings) -> None:
+def check_resume_point(job: Job, settings: TrainSettings, log) -> None:
     """--resume: refuse a resume point of another run now, with everything known before the weights load (the
     loop checks again when it reads the point, with the max length as well). Every process gets the point's JSON
     (resume_points.read: rank 0's, or each its part's, agreed on), so all refuse alike, on machines that do not
-    share rank 0's disk too. A point of the other kind (sharded or not) is refused by name here too."""
+    share rank 0's disk too. A point of the other kind (sharded or not) is refused by name here too.
+
+    Without --lr the run continues at the rate it started with, which an older version may have chosen by
+    another default: the default is a choice made for the user, not a setting they gave, so it is not a reason
+    to refuse their run."""
     strategy, out = job.strategy, job.out
     found = resume_points.read(strategy, out, tensors=False)
     if found is None:
         return
+    started_at = (found[1].get("settings") or {}).get("lr") if isinstance(found[1], dict) else None
+    if job.settings.recipe.lr is None and isinstance(started_at, float) and started_at != settings.lr:
+        log(
+            f"resuming at the rate the run started with, {started_at:g} (the default for these settings is now "
+            f"{settings.lr:g})"
+        )
+        settings.lr = started_at
     max_length = job.settings.data.max_length
     identity = {"world_size": strategy.processes.world_size, **run_identity(job, max_length)}
     if max_length is None:  # known once the texts are tokenized

@@ -148,6 +148,29 @@ def test_resume_refuses_other_data_train_last_or_columns_by_name(small_csv, tmp_
     assert finetune_classifier.main([*args_for(data, out), "--resume"]) == 0
 
 
+@pytest.mark.slow
+def test_a_run_started_under_another_default_rate_resumes_at_its_own(small_csv, tmp_path, monkeypatch, capsys):
+    """A run started without --lr by a version whose default rate differed (2e-4 where it is 1e-3 now) was refused
+    as "another run" on resume. It resumes at the rate it started with and says so; an --lr the user types that
+    differs is still refused by name."""
+    out = tmp_path / "run"
+    flags = ["--model", "tiny", "--data", str(small_csv), "--split", "full", "--output", str(out)]
+    flags += ["--epochs", "2", "--train-last", "2", "--max-length", "48"]  # no --lr: the default decides
+    monkeypatch.setattr(finetune_classifier, "default_lr", lambda *_: 2e-4)  # an older version's default
+    interrupt_first_validation(monkeypatch)
+    assert finetune_classifier.main(flags) == 130
+    monkeypatch.undo()
+    capsys.readouterr()
+    assert finetune_classifier.main([*flags, "--resume", "--lr", "5e-4"]) == 2
+    assert "--lr was not given, now 0.0005" in capsys.readouterr().err
+    assert finetune_classifier.main([*flags, "--resume"]) == 0
+    said = capsys.readouterr()
+    assert "resuming at the rate the run started with, 0.0002 (the default for these settings is now 0.001)" in (
+        said.out + said.err
+    )
+    assert json.loads((out / "classifier.json").read_text())["settings"]["lr"] == 2e-4
+
+
 def test_an_interrupt_during_the_last_evaluation_then_resume_records_that_epoch(tmp_path, monkeypatch):
     """A resume point saved after the run's last step but before its epoch's end was recorded: --resume must still
     evaluate that epoch (before, the loop saw no steps left and skipped it: a history row and maybe the best lost)."""
