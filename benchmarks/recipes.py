@@ -188,7 +188,8 @@ def markdown(record: dict) -> str:
     first), the one --search would keep (the best validation figure) and the Trainer's, in points; last, each
     column's mean over the tasks, where every task has a figure in it."""
     tasks = record["tasks"]
-    names = [r["name"] for r in max(tasks.values(), key=lambda t: len(t["rows"]))["rows"]]
+    # Every recipe any task ran, in the order first met: tasks measured with other --candidates share one table.
+    names = list(dict.fromkeys(r["name"] for t in tasks.values() for r in t["rows"]))
     head = ["task", "train/val/test", "bag-of-words", *names, "best on val", "Trainer"]
     lines = ["| " + " | ".join(head) + " |", "| --- |" + " ---: |" * (len(head) - 1)]
     columns: list[list[float | None]] = []  # per task: the figures of the columns after train/val/test

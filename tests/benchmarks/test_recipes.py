@@ -49,6 +49,12 @@ def test_the_table_marks_what_search_would_keep_and_leaves_blanks_where_nothing_
     assert lines[3] == "| two | 7/1/2 | 25.0% | 50.0% |  |  |  |"
     # The means: over every task where each has a figure, blank where one has none.
     assert lines[4] == "| mean of 2 |  | **37.5%** | **55.0%** |  |  |  |"
+    # A task run with other --candidates adds its recipe's column; the others leave it blank.
+    record["tasks"]["three"] = {**record["tasks"]["two"], "rows": [row("last 30, lr 5e-05", 0.5, 0.3, 0.7)]}
+    lines = recipes.markdown(record).splitlines()
+    assert "| last 2, lr 0.001 | last 30, lr 5e-05 | best on val |" in lines[0]
+    assert lines[2] == "| one | 7/1/2 | 50.0% | 60.0% | 90.0% |  | 90.0% (last 2, lr 0.001) | 75.0% |"
+    assert lines[4] == "| three | 7/1/2 | 25.0% |  |  | 70.0% |  |  |"
 
 
 def test_candidates_are_typed_as_last_at_rate_and_a_typo_is_one_clear_line():
