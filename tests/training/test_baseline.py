@@ -77,6 +77,7 @@ def test_every_run_reports_the_baseline_beside_its_own_figure(small_csv, tmp_pat
     # A tiny model trained one epoch from random weights does not beat words that tell spam: the run says so.
     assert metrics["test_accuracy"] < found["test_accuracy"]
     assert "note: a bag-of-words logistic regression does at least as well on this test split" in logged
+    assert "Try --search (a few recipes tried on the validation split), a longer --max-length" in logged
 
 
 def test_a_run_that_fits_its_training_rows_says_so():
