@@ -66,7 +66,9 @@ def check_resume_point(job: Job, settings: TrainSettings, log) -> None:
     found = resume_points.read(strategy, out, tensors=False)
     if found is None:
         return
-    started_at = (found[1].get("settings") or {}).get("lr") if isinstance(found[1], dict) else None
+    # A malformed point is left to check_same_run, which refuses it in one line naming the file.
+    saved = found[1].get("settings") if isinstance(found[1], dict) else None
+    started_at = saved.get("lr") if isinstance(saved, dict) else None
     if job.settings.recipe.lr is None and isinstance(started_at, float) and started_at != settings.lr:
         log(
             f"resuming at the rate the run started with, {started_at:g} (the default for these settings is now "
