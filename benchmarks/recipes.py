@@ -19,6 +19,9 @@ fine-tuning of every weight is slow on a CPU, so `--trainer-rows` caps its train
 test splits stay the same). Results go to `--json` as each task ends (a rerun skips tasks there). `--seed` is the
 command's: another seed draws other splits (and another initial head), so several seeds show how much of a
 difference between recipes is the split's luck; a task measured at another seed than 123 is keyed "TASK seed N".
+`--train-seed T` keeps `--seed`'s split and trains with T instead (the head's draw and the order of the rows, ours and
+the Trainer's alike), keyed "... train seed T": several of them show how much of a difference is training's luck
+on one split, and `--table`'s mean row is then their mean.
 """
 
 from __future__ import annotations
@@ -31,6 +34,7 @@ import sys
 import tempfile
 import time
 from collections import defaultdict
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -83,12 +87,22 @@ def command(data: Path, weights: Path, scratch: Path, seed: int, *extra: str) ->
 
 
 def ours(
-    data: Path, weights: Path, scratch: Path, candidates: list[Candidate], max_length: int, seed: int, log
+    data: Path,
+    weights: Path,
+    scratch: Path,
+    candidates: list[Candidate],
+    max_length: int,
+    seed: int,
+    log,
+    train_seed: int | None = None,
 ) -> tuple[dict, dict]:
     """Every candidate trained as long as a run and scored on val and test, through the command's pieces; and the
-    parts (LabelledTexts by split), for the baseline and the Trainer."""
+    parts (LabelledTexts by split), for the baseline and the Trainer. `train_seed` (None: `seed`) draws the head
+    and orders the rows; `seed` alone cuts the splits."""
     settings = command(data, weights, scratch, seed, "--dtype", "float32", "--max-length", str(max_length))
     job, recipe, _ = prepare(settings, Progress())
+    if train_seed is not None:
+        recipe = replace(recipe, seed=train_seed)
     clf, tokenizer, _ = build_classifier(job, log)
     splits, max_length = tokenize(job.parts, tokenizer, clf.backbone.cfg.max_seq_len, max_length, log)
     found = search(
@@ -96,6 +110,8 @@ def ours(
     )
     sizes = {k: len(v) for k, v in job.parts.items()}
     result = {"rows": found.rows, "epochs": recipe.epochs, "max_length": max_length, "split_sizes": sizes, "seed": seed}
+    if train_seed is not None:
+        result["train_seed"] = train_seed
     return result, job.parts
 
 
@@ -237,6 +253,12 @@ def main() -> None:
         default=TrainSettings.seed,
         help=f"the command's --seed: the splits and the head's init (default: {TrainSettings.seed})",
     )
+    parser.add_argument(
+        "--train-seed",
+        type=int,
+        help="train with this seed on --seed's split: the head's draw and the rows' order, ours and the Trainer's "
+        "(default: --seed)",
+    )
     parser.add_argument("--trainer", action="store_true", help="also run transformers' Trainer on each task")
     parser.add_argument("--trainer-rows", type=int, default=600, help="its training rows at most (default: 600)")
     parser.add_argument("--json", type=Path, default=SUITE / "recipes.json", help="where the results go")
@@ -258,6 +280,9 @@ def main() -> None:
 
     for task in names:
         name = task if args.seed == TrainSettings.seed else f"{task} seed {args.seed}"
+        if args.train_seed is not None:
+            name += f" train seed {args.train_seed}"
+        train_seed = args.seed if args.train_seed is None else args.train_seed
         done = record["tasks"].get(name)
         if done is not None and (not args.trainer or "trainer" in done):
             print(f"{name}: in {args.json} already")
@@ -270,7 +295,9 @@ def main() -> None:
         with tempfile.TemporaryDirectory() as tmp:
             data = capped_csv(source, args.rows, Path(tmp) / f"{task}.csv", shorten)
             if done is None:
-                result, parts = ours(data, weights, Path(tmp), candidates, args.max_length, args.seed, print)
+                result, parts = ours(
+                    data, weights, Path(tmp), candidates, args.max_length, args.seed, print, args.train_seed
+                )
                 texts = {k: (p.texts, p.targets()) for k, p in parts.items()}
                 result["baseline"] = bag_of_words(texts, len(parts["train"].label_names), False)
                 result["seconds"] = time.perf_counter() - began
@@ -279,7 +306,7 @@ def main() -> None:
             else:  # ours measured before: the same splits again, for the Trainer
                 result, parts = done, read_parts(data, weights, Path(tmp), args.seed)
             if args.trainer:
-                result["trainer"] = trainer(weights, parts, result["max_length"], args.trainer_rows, args.seed)
+                result["trainer"] = trainer(weights, parts, result["max_length"], args.trainer_rows, train_seed)
                 args.json.write_text(json.dumps(record, indent=2) + "\n")
         line = ", ".join(f"{r['name']} {r['test_accuracy']:.2%}" for r in result["rows"])
         base = result["baseline"]["test_accuracy"]

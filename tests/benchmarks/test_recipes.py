@@ -1,5 +1,6 @@
-"""benchmarks/recipes.py's own pieces that need no model: the capped, shortened task file and the table it prints
-from a results file (the runs themselves are measured, not tested: benchmarks/RESULTS.md)."""
+"""benchmarks/recipes.py's own pieces: the capped, shortened task file, the table it prints from a results file, and
+which seed cuts the splits and which trains (on the `tiny` preset; the runs' figures are measured, not tested:
+benchmarks/RESULTS.md)."""
 
 import csv
 import sys
@@ -61,3 +62,20 @@ def test_candidates_are_typed_as_last_at_rate_and_a_typo_is_one_clear_line():
     assert recipes.candidate_list("2@2e-4,4@1e-4") == [recipes.Candidate(2, 2e-4), recipes.Candidate(4, 1e-4)]
     with pytest.raises(recipes.argparse.ArgumentTypeError, match="expected LAST@LR"):
         recipes.candidate_list("2-2e-4")
+
+
+def test_a_training_seed_keeps_the_split_and_trains_differently(small_csv, tmp_path):
+    """`--train-seed T` must leave `--seed`'s split alone (the same texts in each part, so the runs compare on one
+    split) and train with T: another head and row order, so other figures. Without it, training uses `--seed`."""
+    kept = [recipes.Candidate(2, 1e-3)]
+
+    def run(train_seed):
+        return recipes.ours(small_csv, "tiny", tmp_path, kept, 32, 5, lambda *a: None, train_seed)
+
+    plain, parts = run(None)
+    same, _ = run(5)
+    other, other_parts = run(7)
+    assert {k: p.texts for k, p in parts.items()} == {k: p.texts for k, p in other_parts.items()}
+    assert same["rows"][0]["val_loss"] == plain["rows"][0]["val_loss"]
+    assert other["rows"][0]["val_loss"] != plain["rows"][0]["val_loss"]
+    assert "train_seed" not in plain and other["train_seed"] == 7
