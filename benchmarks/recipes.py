@@ -130,6 +130,9 @@ def trainer(weights: Path, parts: dict, max_length: int, train_rows: int, seed: 
     tok = AutoTokenizer.from_pretrained(weights)
     tok.pad_token = tok.pad_token or tok.eos_token
     names = parts["train"].label_names
+    # The score head is drawn when the model is built, before Trainer seeds anything: seed it here, or its draw
+    # depends on whatever ran before in the process (a run at one seed then gave 63.4% alone and 52.5% after ours).
+    transformers.set_seed(seed)
     model = AutoModelForSequenceClassification.from_pretrained(
         weights, num_labels=len(names), torch_dtype=torch.float32
     )
