@@ -21,7 +21,8 @@ command's: another seed draws other splits (and another initial head), so severa
 difference between recipes is the split's luck; a task measured at another seed than 123 is keyed "TASK seed N".
 `--train-seed T` keeps `--seed`'s split and trains with T instead (the head's draw and the order of the rows, ours and
 the Trainer's alike), keyed "... train seed T": several of them show how much of a difference is training's luck
-on one split, and `--table`'s mean row is then their mean.
+on one split, and `--table`'s mean row is then their mean. `--pooling mean` trains our recipes with the head reading
+the mean of each text's tokens (the command's --pooling), keyed "... pooling mean".
 """
 
 from __future__ import annotations
@@ -43,6 +44,7 @@ import torch
 from llama_scratch.finetune_classifier import Progress, build_classifier, prepare
 from llama_scratch.finetune_data import tokenize
 from llama_scratch.finetune_settings import FinetuneSettings, parse_args
+from llama_scratch.model.classifier import POOLINGS
 from llama_scratch.model.tokenizer import Tokenizer
 from llama_scratch.sources.fetch import fetch_smollm2
 from llama_scratch.training.baseline import bag_of_words
@@ -95,11 +97,13 @@ def ours(
     seed: int,
     log,
     train_seed: int | None = None,
+    pooling: str = "last",
 ) -> tuple[dict, dict]:
     """Every candidate trained as long as a run and scored on val and test, through the command's pieces; and the
     parts (LabelledTexts by split), for the baseline and the Trainer. `train_seed` (None: `seed`) draws the head
-    and orders the rows; `seed` alone cuts the splits."""
-    settings = command(data, weights, scratch, seed, "--dtype", "float32", "--max-length", str(max_length))
+    and orders the rows; `seed` alone cuts the splits. `pooling` is the command's --pooling."""
+    extra = ("--dtype", "float32", "--max-length", str(max_length), "--pooling", pooling)
+    settings = command(data, weights, scratch, seed, *extra)
     job, recipe, _ = prepare(settings, Progress())
     if train_seed is not None:
         recipe = replace(recipe, seed=train_seed)
@@ -112,6 +116,8 @@ def ours(
     result = {"rows": found.rows, "epochs": recipe.epochs, "max_length": max_length, "split_sizes": sizes, "seed": seed}
     if train_seed is not None:
         result["train_seed"] = train_seed
+    if pooling != "last":
+        result["pooling"] = pooling
     return result, job.parts
 
 
@@ -262,6 +268,12 @@ def main() -> None:
         help="train with this seed on --seed's split: the head's draw and the rows' order, ours and the Trainer's "
         "(default: --seed)",
     )
+    parser.add_argument(
+        "--pooling",
+        choices=POOLINGS,
+        default="last",
+        help="the command's --pooling for our recipes; the Trainer reads the last token either way (default: last)",
+    )
     parser.add_argument("--trainer", action="store_true", help="also run transformers' Trainer on each task")
     parser.add_argument("--trainer-rows", type=int, default=600, help="its training rows at most (default: 600)")
     parser.add_argument("--json", type=Path, default=SUITE / "recipes.json", help="where the results go")
@@ -285,6 +297,8 @@ def main() -> None:
         name = task if args.seed == TrainSettings.seed else f"{task} seed {args.seed}"
         if args.train_seed is not None:
             name += f" train seed {args.train_seed}"
+        if args.pooling != "last":
+            name += f" pooling {args.pooling}"
         train_seed = args.seed if args.train_seed is None else args.train_seed
         done = record["tasks"].get(name)
         if done is not None and (not args.trainer or "trainer" in done):
@@ -299,7 +313,15 @@ def main() -> None:
             data = capped_csv(source, args.rows, Path(tmp) / f"{task}.csv", shorten)
             if done is None:
                 result, parts = ours(
-                    data, weights, Path(tmp), candidates, args.max_length, args.seed, print, args.train_seed
+                    data,
+                    weights,
+                    Path(tmp),
+                    candidates,
+                    args.max_length,
+                    args.seed,
+                    print,
+                    args.train_seed,
+                    args.pooling,
                 )
                 texts = {k: (p.texts, p.targets()) for k, p in parts.items()}
                 result["baseline"] = bag_of_words(texts, len(parts["train"].label_names), False)

@@ -76,7 +76,8 @@ def load_classifier(
         keep = full_precision_blocks(cfg.n_layers, record.train_last, lora) if quantize else 0
         backbone = load_model(base, device=device, dtype=torch_dtype, quantize=quantize, keep_last=keep)
     lora = record.lora.settings if record.lora else None
-    clf = LlamaClassifier(backbone, record.num_classes, record.train_last, lora, record.multi_label).eval()
+    clf = LlamaClassifier(backbone, record.num_classes, record.train_last, lora, record.multi_label, record.pooling)
+    clf.eval()
     if record.lora and list(record.lora.blocks) != clf.lora_blocks:
         raise CheckpointError(
             f"{record.path}: LoRA blocks {list(record.lora.blocks)} are not the "

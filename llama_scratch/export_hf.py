@@ -108,6 +108,12 @@ def export(
     """Write the export of the finished run `run` into `out` (built beside it, then swapped in)."""
     check_output(out, overwrite)
     record = read_run(run)
+    if record.pooling != "last":  # LlamaForSequenceClassification reads the last token, and no config says otherwise
+        raise ExportError(
+            f"{run} pools the mean of each text's tokens (--pooling {record.pooling}), which transformers' "
+            "LlamaForSequenceClassification cannot: it reads the last token only. Classify with `llama-scratch "
+            "classify`, or train with --pooling last to export"
+        )
     metrics = read_metrics(run)  # for the model card; a run without one still exports
     cfg = record.model_config()
     torch_dtype = parse_dtype(dtype or record.dtype)

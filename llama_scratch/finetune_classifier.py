@@ -173,6 +173,7 @@ def build_classifier(job: Job, log) -> tuple[LlamaClassifier, Tokenizer, str]:
     choice = job.choice
     n = job.data.num_classes
     clf = job.strategy.build_classifier(choice.ref, choice.dtype, n, choice.train_last, choice.lora, choice.quantize)
+    clf.pooling = job.settings.recipe.pooling  # what the head reads: no weights of its own, so set after the build
     backbone = clf.backbone
     backbone.gradient_checkpointing = job.settings.compute.gradient_checkpointing
     tokenizer, tokenizer_ref = resolve_tokenizer(choice.ref, backbone.cfg, log)

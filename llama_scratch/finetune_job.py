@@ -109,6 +109,7 @@ def classifier_meta(
         settings=settings,
         multi_label=job.data.multi_label,
         threshold=threshold,
+        pooling=clf.pooling,
     )
 
 
@@ -135,4 +136,5 @@ def run_identity(job: Job, max_length: int) -> dict:
         "lora_dropout": lora.dropout if lora else None,
         "lora_targets": ",".join(lora.targets) if lora else None,
         "quantize": choice.quantize,
+        "pooling": job.settings.recipe.pooling,
     }

@@ -16,6 +16,7 @@ import torch
 from .checkpoints.versions import upgraded
 from .cli import flag_of, from_json, group, option, parse_settings, positive_int, settings_fields, settings_parser
 from .data.labelled import SEPARATOR
+from .model.classifier import POOLINGS
 from .model.lora import TARGETS, LoRASettings
 from .training.evaluation import SELECT_BY, THRESHOLDS
 from .training.loop import TrainSettings
@@ -112,6 +113,13 @@ class RecipeSettings:
         "train the head, final norm and the last N blocks, or 'all' (default: 2 for a pretrained model, all from "
         "scratch)",
         aliases=("--trainable",),
+    )
+    pooling: str = option(
+        "last",
+        "what the head reads: each text's last token (the vector that has read the whole text; what transformers' "
+        "classifier reads, so the run can be exported) or the mean of all its tokens (reads every word: higher "
+        "where the words decide the class; `export` cannot carry it) (default: last)",
+        choices=POOLINGS,
     )
     epochs: int | None = option(
         None, f"passes over the training split (default: {d.epochs}, raised for small data to reach --min-steps)"

@@ -28,7 +28,7 @@ from .hf_layout import tensors_to_write, write_safetensors
 from .weights import copy_named_tensors
 
 FORMAT = "llama_scratch resume point v1"  # what kind of file this is; its schema's version is VERSION
-VERSION = 2
+VERSION = 3
 
 # How a changed setting is named in the refusal: a command-line flag where there is one.
 _WHAT = {
@@ -134,7 +134,15 @@ def _from_v1(record: dict) -> None:
 
 
 # From each version to the next, in place: a point of version v goes through UPGRADES[v], UPGRADES[v + 1], ...
-UPGRADES = {1: _from_v1}
+def _from_v2(record: dict) -> None:
+    """Version 2 to 3: identity `pooling` (--pooling) added; a point the command wrote before it pooled each text's
+    last token."""
+    identity = record.get("identity")
+    if isinstance(identity, dict) and "data_digest" in identity:
+        identity.setdefault("pooling", "last")
+
+
+UPGRADES = {1: _from_v1, 2: _from_v2}
 
 
 def upgrade(record: dict, path: Path) -> dict:

@@ -6,11 +6,13 @@ trained from random weights) and this record, written last. It says which base m
 as given, the path relative to the run so that a run moved together with its base still works, and the Hub repo
 it came from), the model's config, the classes, how many blocks trained and which LoRA adapters are in them, the
 tokenizer, the length and dtype of training, the settings, whether a text has several labels (`multi_label`, with
-the `threshold` that decides each), and the run id that the weights file carries too.
+the `threshold` that decides each), what the head reads (`pooling`), and the run id that the weights file carries
+too.
 
 The record carries its schema `version` (`RECORD_VERSION`; `checkpoints.versions`), and every key is written, null
 where there is nothing to say. A record written before versions were kept (version 1) lacks the keys added since
-the first release; `upgrade_1` says what their absence meant, so that everything past `read_record` sees one shape.
+the first release; `upgrade_1` says what their absence meant (and `upgrade_2` what a version 2 record's lack of
+`pooling` meant), so that everything past `read_record` sees one shape.
 
 `finetune_classifier` builds a record from plain values (`new_record`) and writes it (`write_record`); `classify`
 and `export_hf` read it (`read_run`) with every check made here, so a hand-edited, foreign or half-copied run is
@@ -32,6 +34,7 @@ from typing import TYPE_CHECKING
 
 from safetensors import SafetensorError, safe_open
 
+from ..model.classifier import POOLINGS
 from ..model.config import PRESETS, LlamaConfig
 from ..model.lora import TARGETS, LoRASettings
 from ..model.quantize import KINDS as QUANTIZE_KINDS
@@ -46,7 +49,7 @@ RECORD_FILE = "classifier.json"  # written last, when a run finishes
 WEIGHTS_FILE = "classifier.safetensors"  # its metadata holds the run id the record holds
 RUN_MARKER = ".llama_scratch-run"  # written when a run starts, finished or not
 
-RECORD_VERSION = 2  # the shape `write_record` writes; `read_record` brings older ones to it (UPGRADES)
+RECORD_VERSION = 3  # the shape `write_record` writes; `read_record` brings older ones to it (UPGRADES)
 
 # What every version of the record held: a version 1 record lacking one of these is not a run's record.
 REQUIRED_KEYS = (
@@ -83,7 +86,12 @@ def upgrade_1(meta: dict) -> dict:
     return ADDED_IN_VERSION_1 | meta
 
 
-UPGRADES = {1: upgrade_1}  # version n -> n + 1, applied in turn by `checkpoints.versions.upgraded`
+def upgrade_2(meta: dict) -> dict:
+    """A version 2 record as version 3: `pooling` added; a run before it pooled each text's last token."""
+    return {"pooling": "last"} | meta
+
+
+UPGRADES = {1: upgrade_1, 2: upgrade_2}  # version n -> n + 1, applied in turn by `checkpoints.versions.upgraded`
 
 
 def is_run_folder(path: Path) -> bool:
@@ -171,6 +179,7 @@ class RunRecord:
     run_id: str | None  # the weights file's metadata holds the same (None: neither records one)
     multi_label: bool  # --multi-label: a sigmoid per label (False: one label per text, a softmax)
     threshold: float | None  # --multi-label: a label is predicted at this probability or above
+    pooling: str  # what the head reads: "last" (each text's last token) or "mean" (of its tokens; --pooling)
     path: Path | None = field(default=None, compare=False)
 
     def model_config(self) -> LlamaConfig:
@@ -235,6 +244,7 @@ def new_record(
     data: dict | None = None,
     multi_label: bool = False,
     threshold: float | None = None,
+    pooling: str = "last",
 ) -> RunRecord:
     """The record of a run writing its results into `out` (the run id is added when they are written). `settings`
     is the dataclass the run trained with (TrainSettings), recorded field by field."""
@@ -255,6 +265,7 @@ def new_record(
         run_id=None,  # `write_results` adds it, with the other results
         multi_label=multi_label,
         threshold=threshold,
+        pooling=pooling,
     )
 
 
@@ -344,4 +355,6 @@ def wrong_types(meta: dict) -> list[str]:
         wrong.append("threshold")  # a multi-label run's labels are decided by it: a number between 0 and 1
     elif not meta["multi_label"] and meta["threshold"] is not None:
         wrong.append("threshold")
+    if meta["pooling"] not in POOLINGS:
+        wrong.append("pooling")
     return wrong

@@ -1,4 +1,5 @@
-"""A Llama backbone with a classification head: the vector of each text's last real token predicts its class."""
+"""A Llama backbone with a classification head: the vector of each text's last real token (or the mean of all its
+tokens' vectors, `pooling="mean"`) predicts its class."""
 
 from __future__ import annotations
 
@@ -30,6 +31,12 @@ def last_real_token(hidden: torch.Tensor, attention_mask: torch.Tensor | None) -
     return hidden[torch.arange(hidden.shape[0], device=hidden.device), last]
 
 
+# How the head reads a text: its last real token's vector (the one that has read the whole text, as transformers'
+# LlamaForSequenceClassification reads it), or the mean of every real token's vector (after the final norm), which
+# reads each word directly: on the task suite's lexical tasks, where the words a text uses decide its class, it
+# scored higher (benchmarks/RESULTS.md, "Mean pooling").
+POOLINGS = ("last", "mean")
+
 def new_head(dim: int, num_classes: int, dtype: torch.dtype, device: torch.device | str) -> nn.Linear:
     """The head, small normal weights (std 0.02). The one place it is drawn, and always from the CPU's generator
     (then moved to `device`): a sharded run draws it on the CPU and keeps its rows (sharding.fresh_values), so a
@@ -54,6 +61,7 @@ class LlamaClassifier(nn.Module):
 
     `multi_label`: how the scores are read, a softmax over competing classes (one label per text) or a sigmoid per
     label (several: `--multi-label`). The head is the same either way; `classify.predict_proba` reads this.
+    `pooling`: which vector the head reads (`POOLINGS`; `--pooling`), read by `forward` on every call.
     """
 
     def __init__(
@@ -63,9 +71,12 @@ class LlamaClassifier(nn.Module):
         train_last: int | None = 2,
         lora: LoRASettings | None = None,
         multi_label: bool = False,
+        pooling: str = "last",
     ):
         super().__init__()
-        self.multi_label = multi_label
+        if pooling not in POOLINGS:
+            raise ValueError(f"pooling must be one of {', '.join(POOLINGS)}, got {pooling!r}")
+        self.multi_label, self.pooling = multi_label, pooling
         if num_classes < 2:
             raise ValueError(f"num_classes must be at least 2, got {num_classes}")
         self.backbone = backbone
@@ -143,6 +154,9 @@ class LlamaClassifier(nn.Module):
         x = backbone.embed_tokens(input_ids) if frozen_states is None else frozen_states
         layout = Layout.plain(attention_mask, x.shape[1], x.device) if layout is None else layout
         start = 0 if frozen_states is None else self.frozen_blocks  # frozen states: the trained blocks only
+        if self.pooling == "mean":  # every token's vector is read, so the last block runs at every position
+            hidden = backbone.final_norm(backbone.run_blocks(x, layout, start=start))
+            return self.head(layout.text_means(hidden))
         # The head reads one vector per text, so the last block runs only at each text's last real token: its
         # query, attention output, feed-forward and all after run once per text instead of once per token (its
         # keys and values still come from every position). With train_last=1 that is most of the work.

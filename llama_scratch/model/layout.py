@@ -187,6 +187,16 @@ class Layout:
             k, v = self.texts.pad(k), self.texts.pad(v)
         return k, v
 
+    def text_means(self, t: torch.Tensor) -> torch.Tensor:
+        """t [B, T, dim] (packed: [1, N, dim]) -> [texts, dim], the mean over each text's real tokens: a pad weighs
+        nothing, so a text's mean is the same alone, padded on either side, or packed."""
+        if self.texts is not None:
+            return torch.stack([part.mean(0) for part in self.texts.split(t)])
+        if self.real is None:
+            return t.mean(1)
+        real = self.real[:, -t.shape[1] :].to(t.dtype).unsqueeze(-1)  # the new tokens' columns (after a cache)
+        return (t * real).sum(1) / real.sum(1)
+
     def at_rows(self, t: torch.Tensor) -> torch.Tensor:
         """t [B, T, ...] at the query rows, [B, R, ...] (all of t when this layout reads none)."""
         return t if self.rows is None else at_rows(t, self.rows)

@@ -240,7 +240,9 @@ def search(
             continue
         use = states.at(n_layers - c.train_last) if states else splits
         torch.manual_seed(settings.seed)  # every candidate's head starts from the same draw
-        candidate = LlamaClassifier(backbone, clf.head.out_features, c.train_last, multi_label=clf.multi_label)
+        candidate = LlamaClassifier(
+            backbone, clf.head.out_features, c.train_last, multi_label=clf.multi_label, pooling=clf.pooling
+        )
         row, seconds = try_one(candidate, c, use, settings, epochs, strategy, log, score)
         spent.append(seconds)
         rows.append(row)
@@ -330,7 +332,9 @@ def choose_recipe(
     found = search(clf, splits, recipe, candidates, strategy, out, minutes, cache, log)
     recipe.lr = found.chosen.lr
     torch.manual_seed(recipe.seed)
-    chosen = LlamaClassifier(clf.backbone, clf.head.out_features, found.chosen.train_last, multi_label=clf.multi_label)
+    chosen = LlamaClassifier(
+        clf.backbone, clf.head.out_features, found.chosen.train_last, multi_label=clf.multi_label, pooling=clf.pooling
+    )
     n_train = sum(p.numel() for p in chosen.trainable_parameters().values())
     log(f"training {found.chosen.name} for the run: {n_train:,} parameters")
     return chosen, found.splits or splits, found

@@ -64,7 +64,7 @@ def test_candidates_are_typed_as_last_at_rate_and_a_typo_is_one_clear_line():
         recipes.candidate_list("2-2e-4")
 
 
-def test_a_training_seed_keeps_the_split_and_trains_differently(small_csv, tmp_path):
+def test_a_training_seed_keeps_the_split_and_trains_differently_and_pooling_reaches_the_candidates(small_csv, tmp_path):
     """`--train-seed T` must leave `--seed`'s split alone (the same texts in each part, so the runs compare on one
     split) and train with T: another head and row order, so other figures. Without it, training uses `--seed`."""
     kept = [recipes.Candidate(2, 1e-3)]
@@ -79,3 +79,7 @@ def test_a_training_seed_keeps_the_split_and_trains_differently(small_csv, tmp_p
     assert same["rows"][0]["val_loss"] == plain["rows"][0]["val_loss"]
     assert other["rows"][0]["val_loss"] != plain["rows"][0]["val_loss"]
     assert "train_seed" not in plain and other["train_seed"] == 7
+    # --pooling mean reaches the candidates that search trains: on the same split and seed, other figures.
+    mean, _ = recipes.ours(small_csv, "tiny", tmp_path, kept, 32, 5, lambda *a: None, None, "mean")
+    assert mean["pooling"] == "mean" and "pooling" not in plain
+    assert mean["rows"][0]["val_loss"] != plain["rows"][0]["val_loss"]

@@ -57,6 +57,8 @@ LAST_SINGLE_LABEL = {  # the last version 1: quantize and data; a single-label r
     "run_id": "r1",
 }
 LAST_MULTI_LABEL = {**LAST_SINGLE_LABEL, "lora": None, "multi_label": True, "threshold": 0.35}
+# The last record before --pooling: version 2, every key of its time written, the head read the last token.
+LAST_BEFORE_POOLING = {VERSION_KEY: 2, **run_record.ADDED_IN_VERSION_1, **LAST_SINGLE_LABEL}
 
 
 def write_run(run, record: dict, run_id: str | None) -> None:
@@ -68,16 +70,17 @@ def write_run(run, record: dict, run_id: str | None) -> None:
 
 @pytest.mark.parametrize(
     "older",
-    [FIRST_RELEASE, WITH_LORA_AND_RUN_IDS, LAST_SINGLE_LABEL, LAST_MULTI_LABEL],
-    ids=["first-release", "lora-and-run-ids", "last-single-label", "last-multi-label"],
+    [FIRST_RELEASE, WITH_LORA_AND_RUN_IDS, LAST_SINGLE_LABEL, LAST_MULTI_LABEL, LAST_BEFORE_POOLING],
+    ids=["first-release", "lora-and-run-ids", "last-single-label", "last-multi-label", "before-pooling"],
 )
 def test_every_older_classifier_record_reads_in_the_current_shape(tmp_path, older):
     run = tmp_path / "run"
     write_run(run, older, older.get("run_id"))
     record = run_record.read_run(run)
+    absent = {**run_record.ADDED_IN_VERSION_1, "pooling": "last"}  # what a key's absence meant
     for key in run_record.RECORD_KEYS:  # as written where it was, else what its absence meant
         if key != "lora":
-            assert getattr(record, key) == older.get(key, run_record.ADDED_IN_VERSION_1.get(key)), key
+            assert getattr(record, key) == older.get(key, absent.get(key)), key
     assert (record.lora is None) == (older.get("lora") is None)
     if older.get("lora"):
         assert record.lora.settings == LoRASettings(4, 8.0, 0.0, ("q", "v")) and record.lora.blocks == (2, 3)
@@ -100,7 +103,7 @@ def test_a_current_classifier_record_lacking_a_key_is_refused_by_name(tmp_path):
         run_record.read_run(run)
 
 
-@pytest.mark.parametrize("version", [3, 99])
+@pytest.mark.parametrize("version", [4, 99])
 def test_a_newer_classifier_record_is_refused_in_one_line_naming_its_version(tmp_path, capsys, version):
     run = tmp_path / "run"
     write_run(run, {VERSION_KEY: version, **LAST_SINGLE_LABEL}, "r1")
@@ -143,6 +146,7 @@ def test_a_new_record_reads_back_as_written(tmp_path):
         settings=TrainSettings(),
         multi_label=True,
         threshold=0.4,
+        pooling="mean",
     )
     written = dataclasses.replace(record, run_id="r2")
     run_record.write_record(run, written)
@@ -150,3 +154,11 @@ def test_a_new_record_reads_back_as_written(tmp_path):
     assert run_record.read_run(run) == written
     meta = json.loads((run / run_record.RECORD_FILE).read_text())
     assert meta["base_model_relative"] is None and meta["quantize"] is None and meta["threshold"] == 0.4
+    assert meta["pooling"] == "mean"
+
+
+def test_a_record_with_a_pooling_no_run_writes_is_refused_by_name(tmp_path):
+    run = tmp_path / "run"
+    write_run(run, {**LAST_BEFORE_POOLING, VERSION_KEY: 3, "pooling": "max"}, "r1")
+    with pytest.raises(CheckpointError, match="pooling not as a finished run writes them"):
+        run_record.read_run(run)

@@ -343,3 +343,35 @@ def test_a_smollm2_run_exports_with_its_own_tokenizer(smollm2_dir, small_csv, tm
     assert tokenizer.bos_id is None and model.config.pad_token_id == 2  # <|im_end|>, SmolLM2's own padding token
     copied, base = (json.loads((d / "tokenizer.json").read_text()) for d in (out, smollm2_dir))
     assert copied["model"] == base["model"]  # the base checkpoint's vocabulary and merges, copied
+
+
+@pytest.mark.slow
+def test_a_mean_pooling_run_classifies_by_its_mean_and_is_not_exported(pretrained_base, small_csv, tmp_path, capsys):
+    """finetune_classifier --pooling mean, then classify and export_hf, as a user types them: classify reads the mean
+    of each text's normed vectors (the record says so), and export refuses in one line, since transformers'
+    classifier reads the last token only and would answer otherwise."""
+    run, scored = tmp_path / "run", tmp_path / "scored.csv"
+    finetune(pretrained_base, small_csv, run, "--pooling", "mean")
+    meta = json.loads((run / "classifier.json").read_text())
+    assert meta["pooling"] == "mean"
+    argv = ["--checkpoint", str(run), *TEXTS, "--output", str(scored), "--device", "cpu", "--dtype", "float32"]
+    assert classify.main(argv) == 0
+    with scored.open(newline="", encoding="utf-8") as f:
+        ours = torch.tensor([[float(r[f"p_{n}"]) for n in meta["label_names"]] for r in csv.DictReader(f)])
+    clf, tokenizer, _ = classify.load_classifier(run, device="cpu", dtype="float32")
+    assert clf.pooling == "mean"
+    with torch.no_grad():  # each text alone: every position's vector after the final norm
+        backbone = clf.backbone
+        normed = [
+            backbone.final_norm(
+                backbone.run_blocks(backbone.embed_tokens(torch.tensor([tokenizer.encode(t, bos=True)])))
+            )[0]
+            for t in TEXTS
+        ]
+        expected = clf.head(torch.stack([h.mean(0) for h in normed])).softmax(-1)
+        last = clf.head(torch.stack([h[-1] for h in normed])).softmax(-1)
+    assert (ours - expected).abs().max() < 2e-6  # classify's CSV keeps 6 decimals
+    assert (ours - last).abs().max() > 1e-3  # and it is not what the last token would say
+    err = export_fails(capsys, run, tmp_path / "export")
+    assert "--pooling mean" in err and "LlamaForSequenceClassification" in err
+    assert not (tmp_path / "export").exists()

@@ -1,10 +1,12 @@
-"""The classifier against transformers' LlamaForSequenceClassification, and which parameters train."""
+"""The classifier against transformers' LlamaForSequenceClassification (and, pooling the mean, its LlamaModel's hidden
+states), and which parameters train."""
 
 import pytest
 import torch
 import transformers
 
 from llama_scratch import Llama, LlamaClassifier, LlamaConfig
+from llama_scratch.data.batching import TokenizedSplit, forward, to_batch
 from tests.hf_reference import ours_from_hf, padded_batch, real_positions, tiny_cfg
 
 PAD = 0  # the test's pad id; real tokens are drawn from 1..vocab-1 so that the reference can find them
@@ -97,3 +99,27 @@ def test_one_process_and_a_sharded_run_start_from_the_same_head_and_adapters(dev
     for name, p in one.named_parameters():
         if name in sharded:
             assert p.device.type == device and torch.equal(p.detach().cpu(), sharded[name]), name
+
+
+@pytest.mark.parametrize("side", ["packed", "right", "left"])
+@torch.no_grad()
+def test_mean_pooling_reads_the_mean_that_transformers_hidden_states_give(side):
+    """`pooling="mean"`: the head reads the mean of each text's vectors after the final norm, as the masked mean of
+    transformers' `LlamaModel` last hidden state is, for a batch packed or padded on either side (a pad weighs
+    nothing), and the last block runs at every position (not at the last tokens only)."""
+    cfg = tiny_cfg()
+    torch.manual_seed(1)
+    causal = transformers.LlamaForCausalLM(transformers.LlamaConfig(**cfg.to_hf_dict())).float().eval()
+    clf = LlamaClassifier(ours_from_hf(cfg, causal), num_classes=3, train_last=1, pooling="mean").eval()
+    rows = [torch.randint(1, cfg.vocab_size, (n,)).tolist() for n in (17, 5, 30, 1)]
+    got = forward(clf, to_batch(TokenizedSplit(rows, [0, 1, 2, 0]), list(range(4)), side, torch.device("cpu")))
+    want = []
+    for row in rows:  # each text alone: no padding for the reference to get wrong
+        hidden = causal.model(torch.tensor([row])).last_hidden_state
+        want.append(clf.head(hidden[0].mean(0)))
+    assert (got - torch.stack(want)).abs().max().item() < 1e-4
+
+
+def test_an_unknown_pooling_is_refused_by_name():
+    with pytest.raises(ValueError, match="pooling must be one of last, mean, got 'max'"):
+        LlamaClassifier(Llama(tiny_cfg()), num_classes=2, pooling="max")

@@ -35,21 +35,23 @@ def test_a_point_is_written_with_its_version_and_a_newer_one_is_refused_by_versi
 
 
 def test_a_version_1_point_is_upgraded_to_what_it_meant(tmp_path):
-    """Written before --select-by, --multi-label and best_step (and with no version): it selected by accuracy, had
-    one label a text, and evaluated once an epoch; it resumes as such, with no branch for it in the loop."""
+    """Written before --select-by, --multi-label, best_step and --pooling (and with no version): it selected by
+    accuracy, had one label a text, evaluated once an epoch and read the last token; it resumes as such, with no
+    branch for it in the loop."""
     clf, opt, sched, s = resume_parts()
     path = tmp_path / "resume.safetensors"
     rows = [{"epoch": e, "step": 10 * e, "val_accuracy": 0.5} for e in (1, 2, 3)]
     state = TrainState(epoch=3, step=30, best_epoch=1, history=rows, evaluated_step=30)
-    identity = {"model": "a", "data_digest": "d", "multi_label": False}
+    identity = {"model": "a", "data_digest": "d", "multi_label": False, "pooling": "last"}
     save_resume_point(path, clf, opt, sched, state, s, identity)
 
     def as_version_1(record):
         del record["version"], record["settings"]["select_by"], record["identity"]["multi_label"]
+        del record["identity"]["pooling"]
         record["state"]["best_step"] = -1
 
     rewrite(path, as_version_1)
-    resumed = load_resume_point(path, clf, opt, sched, s, identity)  # the command's identity, with multi_label
+    resumed = load_resume_point(path, clf, opt, sched, s, identity)  # the command's: multi_label and pooling
     assert resumed.best_step == 10  # the step of epoch 1's row: two evaluations since
     s.patience = 2
     assert patience_spent(resumed, s)
@@ -58,6 +60,25 @@ def test_a_version_1_point_is_upgraded_to_what_it_meant(tmp_path):
     # A library caller's identity (no data named) is left as it was given.
     rewrite(path, lambda record: record.update(identity={"model": "a"}))  # still version 1
     assert "multi_label" not in resume.read_point(path, tensors=False)["identity"]
+
+
+def test_a_version_2_point_pooled_the_last_token_and_resumes_only_as_such(tmp_path):
+    """Written before --pooling: the command's run read each text's last token. It resumes under the default
+    (`pooling` "last" in the identity) and is refused, by name, under --pooling mean."""
+    clf, opt, sched, s = resume_parts()
+    path = tmp_path / "resume.safetensors"
+    identity = {"model": "a", "data_digest": "d", "multi_label": False, "pooling": "last"}
+    save_resume_point(path, clf, opt, sched, TrainState(step=2), s, identity)
+
+    def as_version_2(record):
+        record["version"] = 2
+        del record["identity"]["pooling"]
+
+    rewrite(path, as_version_2)
+    assert resume.read_point(path, tensors=False)["identity"]["pooling"] == "last"
+    assert load_resume_point(path, clf, opt, sched, s, identity).step == 2
+    with pytest.raises(ResumeError, match="pooling"):
+        load_resume_point(path, clf, opt, sched, s, {**identity, "pooling": "mean"})
 
 
 def test_a_point_of_the_other_kind_is_refused_by_name(tmp_path):
