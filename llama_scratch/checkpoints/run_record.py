@@ -86,9 +86,13 @@ def upgrade_1(meta: dict) -> dict:
     return ADDED_IN_VERSION_1 | meta
 
 
+# The key version 3 added, and what a version 2 record without it meant: the head read each text's last token.
+ADDED_IN_VERSION_2 = {"pooling": "last"}
+
+
 def upgrade_2(meta: dict) -> dict:
-    """A version 2 record as version 3: `pooling` added; a run before it pooled each text's last token."""
-    return {"pooling": "last"} | meta
+    """A version 2 record as version 3: `ADDED_IN_VERSION_2` with the meaning its absence had."""
+    return ADDED_IN_VERSION_2 | meta
 
 
 UPGRADES = {1: upgrade_1, 2: upgrade_2}  # version n -> n + 1, applied in turn by `checkpoints.versions.upgraded`

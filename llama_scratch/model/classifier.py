@@ -37,6 +37,7 @@ def last_real_token(hidden: torch.Tensor, attention_mask: torch.Tensor | None) -
 # scored higher (benchmarks/RESULTS.md, "Mean pooling").
 POOLINGS = ("last", "mean")
 
+
 def new_head(dim: int, num_classes: int, dtype: torch.dtype, device: torch.device | str) -> nn.Linear:
     """The head, small normal weights (std 0.02). The one place it is drawn, and always from the CPU's generator
     (then moved to `device`): a sharded run draws it on the CPU and keeps its rows (sharding.fresh_values), so a

@@ -383,13 +383,14 @@ def test_the_run_record_reads_back_as_written_and_names_a_bad_key(tmp_path):
     assert meta["lora"] == {"rank": 4, "alpha": 8.0, "dropout": 0.0, "targets": ["q", "v"], "blocks": [2, 3]}
     assert list(meta) == ["version", *run_record.RECORD_KEYS] and meta["dtype"] == "bfloat16"
     assert meta["version"] == run_record.RECORD_VERSION and list(meta)[1] == "base_model"
-    assert list(meta)[-4:] == ["settings", "run_id", "multi_label", "threshold"]
+    assert list(meta)[-5:] == ["settings", "run_id", "multi_label", "threshold", "pooling"]
     for key, value, says in (
         ("lora", {**meta["lora"], "blocks": "2,3"}, "unreadable lora entry (blocks is not a list of block numbers)"),
         ("lora", {**meta["lora"], "targets": ["q_proj"]}, "unreadable lora entry (LoRA targets are among"),
         ("lora", {**meta["lora"], "rank": 0}, "unreadable lora entry (the LoRA rank must be at least 1"),
         ("num_classes", 3, "num_classes/label_names not as a finished run writes them"),
         ("settings", [], "settings not as a finished run writes them"),
+        ("pooling", "max", "pooling not as a finished run writes them"),
     ):
         path.write_text(json.dumps(meta | {key: value}))
         with pytest.raises(weights.CheckpointError) as e:

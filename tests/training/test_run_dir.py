@@ -67,7 +67,9 @@ def test_every_older_metrics_file_reads_in_the_current_shape(tmp_path, older):
         assert metrics["val_macro_f1"] is None
     # The model card reads either without asking which version wrote it.
     labels = {"multi_label": True, "threshold": 0.35} if metrics["multi_label"] else {}
-    record = run_record.RunRecord(**run_record.ADDED_IN_VERSION_1 | LAST_SINGLE_LABEL | {"lora": None} | labels)
+    record = run_record.RunRecord(
+        **run_record.ADDED_IN_VERSION_1 | run_record.ADDED_IN_VERSION_2 | LAST_SINGLE_LABEL | {"lora": None} | labels
+    )
     card = model_card(record, metrics, torch.float32, "python -m llama_scratch.export_hf ...")
     assert "Data: `sms.csv`, split `stratified` (train 80, val 10, test 10 texts)." in card
     assert ("| split | exact match | micro-F1 | loss |" in card) == metrics["multi_label"]
@@ -80,7 +82,7 @@ def test_metrics_are_written_with_their_version_and_read_back(tmp_path):
         | {"val_macro_f1": 0.6}
     ]
     metrics = FIRST_METRICS | {"select_by": "accuracy", "best_step": 10, "multi_label": False}
-    record = run_record.RunRecord(**{**run_record.ADDED_IN_VERSION_1, **FIRST_RELEASE})
+    record = run_record.RunRecord(**{**run_record.ADDED_IN_VERSION_1, **run_record.ADDED_IN_VERSION_2, **FIRST_RELEASE})
     run_dir.write_results(tmp_path, "r3", dict(metrics), record, history)
     written = json.loads((tmp_path / "metrics.json").read_text())
     assert list(written)[0] == VERSION_KEY and written[VERSION_KEY] == run_dir.METRICS_VERSION
