@@ -298,7 +298,7 @@ def run(settings: FinetuneSettings, progress: Progress | None = None) -> dict:
     strategy.on_main(lambda: write_results(out, run_id, metrics, meta(), state.history))  # rank 0 writes
     warn_if_one_class(metrics["val_accuracy"], parts["val"].labels, log, metrics.get("val_micro_f1"))
     warn_if_overfit(metrics, log)
-    warn_if_no_better(metrics, log)
+    warn_if_no_better(metrics, log, clf.pooling)
     weights = f"epoch {metrics['best_epoch']}'s weights"
     if searched is not None:
         weights += f" of {searched.chosen.name}, chosen by --search"

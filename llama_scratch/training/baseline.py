@@ -159,19 +159,21 @@ def bag_of_words(splits: dict[str, tuple[list[str], list]], num_classes: int, mu
     return {**figures, "c": c, "features": len(vocab.index)}
 
 
-def warn_if_no_better(metrics: dict, log) -> None:
+def warn_if_no_better(metrics: dict, log, pooling: str = "last") -> None:
     """Say so when the bag-of-words baseline does at least as well on the test split as the fine-tuned model, and
     what to try: the question a user asks first of their own data is whether the model beats the simple thing.
-    The advice follows the task suite (benchmarks/RESULTS.md, "Recipes on the task suite"): the rate and reading
-    more of long texts moved the model there; training more blocks at a smaller rate did not, on average."""
+    The advice follows the task suite (benchmarks/RESULTS.md, "Recipes on the task suite" and "Mean pooling"): the
+    rate, the mean of every token's vector where words decide the class, and reading more of long texts moved the
+    model there; training more blocks at a smaller rate did not, on average."""
     baseline = metrics["baseline"].get("test_accuracy")
     if baseline is None or metrics["test_accuracy"] > baseline:
         return
     what = "exact match" if metrics["multi_label"] else "test accuracy"
     first = "" if "search" in metrics else "--search (a few recipes tried on the validation split), "
+    mean = "" if pooling == "mean" else "--pooling mean (the head reads every word, as the baseline does), "
     log(
         "note: a bag-of-words logistic regression does at least as well on this test split "
-        f"({what} {baseline:.2%} against the model's {metrics['test_accuracy']:.2%}). Try {first}a longer "
+        f"({what} {baseline:.2%} against the model's {metrics['test_accuracy']:.2%}). Try {mean}{first}a longer "
         "--max-length if training texts were truncated, more epochs if the last one was kept, or a larger --model; "
         "a task decided by a few words may need no more than the baseline"
     )

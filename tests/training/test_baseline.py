@@ -77,7 +77,11 @@ def test_every_run_reports_the_baseline_beside_its_own_figure(small_csv, tmp_pat
     # A tiny model trained one epoch from random weights does not beat words that tell spam: the run says so.
     assert metrics["test_accuracy"] < found["test_accuracy"]
     assert "note: a bag-of-words logistic regression does at least as well on this test split" in logged
-    assert "Try --search (a few recipes tried on the validation split), a longer --max-length" in logged
+    assert "Try --pooling mean (the head reads every word, as the baseline does), --search (a few recipes" in logged
+    assert "validation split), a longer --max-length" in logged
+    said: list[str] = []  # a run that pooled the mean already is not told to
+    baseline.warn_if_no_better(metrics, said.append, "mean")
+    assert "Try --search" in said[0] and "--pooling" not in said[0]
 
 
 def test_a_run_that_fits_its_training_rows_says_so():
