@@ -194,8 +194,9 @@ class Layout:
             return torch.stack([part.mean(0) for part in self.texts.split(t)])
         if self.real is None:
             return t.mean(1)
-        real = self.real[:, -t.shape[1] :].to(t.dtype).unsqueeze(-1)  # the new tokens' columns (after a cache)
-        return (t * real).sum(1) / real.sum(1)
+        real = self.real[:, -t.shape[1] :].unsqueeze(-1)  # the new tokens' columns (after a cache)
+        # Summed and divided in float32, as `mean` does: bfloat16 counts exactly only up to 256 tokens.
+        return ((t * real).sum(1, dtype=torch.float32) / real.sum(1)).to(t.dtype)
 
     def at_rows(self, t: torch.Tensor) -> torch.Tensor:
         """t [B, T, ...] at the query rows, [B, R, ...] (all of t when this layout reads none)."""

@@ -7,6 +7,7 @@ import transformers
 
 from llama_scratch import Llama, LlamaClassifier, LlamaConfig
 from llama_scratch.data.batching import TokenizedSplit, forward, to_batch
+from llama_scratch.model.layout import Layout
 from tests.hf_reference import ours_from_hf, padded_batch, real_positions, tiny_cfg
 
 PAD = 0  # the test's pad id; real tokens are drawn from 1..vocab-1 so that the reference can find them
@@ -123,3 +124,14 @@ def test_mean_pooling_reads_the_mean_that_transformers_hidden_states_give(side):
 def test_an_unknown_pooling_is_refused_by_name():
     with pytest.raises(ValueError, match="pooling must be one of last, mean, got 'max'"):
         LlamaClassifier(Llama(tiny_cfg()), num_classes=2, pooling="max")
+
+
+def test_a_padded_mean_in_bfloat16_is_the_mean_of_the_text_alone_past_256_tokens():
+    """bfloat16 counts exactly only up to 256: a padded batch's mean must divide by the true count, as a text's own
+    `mean` (and the packed path) does, so the same text gets the same vector whatever its batch."""
+    torch.manual_seed(0)
+    t = torch.randn(2, 257, 8).bfloat16()
+    mask = torch.ones(2, 257, dtype=torch.long)
+    mask[1, 200:] = 0
+    got = Layout.padded(mask, side="right").text_means(t)
+    assert torch.equal(got, torch.stack([t[0].mean(0), t[1, :200].mean(0)]))
