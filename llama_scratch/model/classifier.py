@@ -75,8 +75,6 @@ class LlamaClassifier(nn.Module):
         pooling: str = "last",
     ):
         super().__init__()
-        if pooling not in POOLINGS:
-            raise ValueError(f"pooling must be one of {', '.join(POOLINGS)}, got {pooling!r}")
         self.multi_label, self.pooling = multi_label, pooling
         if num_classes < 2:
             raise ValueError(f"num_classes must be at least 2, got {num_classes}")
@@ -88,6 +86,18 @@ class LlamaClassifier(nn.Module):
             self.lora_blocks = add_lora(backbone, lora, blocks=self.trained_blocks(train_last))
         self.train_last = train_last
         self.set_trainable(train_last)
+
+    @property
+    def pooling(self) -> str:
+        return self._pooling
+
+    @pooling.setter
+    def pooling(self, value: str) -> None:
+        """Checked wherever it is set, in the constructor or after a build (the command sets its --pooling, which a
+        resumed run reads back from its recorded flags)."""
+        if value not in POOLINGS:
+            raise ValueError(f"pooling must be one of {', '.join(POOLINGS)}, got {value!r}")
+        self._pooling = value
 
     def trained_blocks(self, train_last: int | None) -> range:
         return trained_blocks(len(self.backbone.blocks), train_last)

@@ -124,6 +124,10 @@ def test_mean_pooling_reads_the_mean_that_transformers_hidden_states_give(side):
 def test_an_unknown_pooling_is_refused_by_name():
     with pytest.raises(ValueError, match="pooling must be one of last, mean, got 'max'"):
         LlamaClassifier(Llama(tiny_cfg()), num_classes=2, pooling="max")
+    clf = LlamaClassifier(Llama(tiny_cfg()), num_classes=2)
+    with pytest.raises(ValueError, match="pooling must be one of last, mean, got 'Mean'"):  # set after a build
+        clf.pooling = "Mean"
+    assert clf.pooling == "last"
 
 
 def test_a_padded_mean_in_bfloat16_is_the_mean_of_the_text_alone_past_256_tokens():
