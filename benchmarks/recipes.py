@@ -127,8 +127,16 @@ def read_parts(data: Path, weights: Path, scratch: Path, seed: int) -> dict:
     return job.parts
 
 
-def trainer(weights: Path, parts: dict, max_length: int, train_rows: int, seed: int = TrainSettings.seed) -> dict:
-    """transformers' Trainer, full fine-tuning with its defaults, on the same splits (train capped at `train_rows`)."""
+def trainer(
+    weights: Path,
+    parts: dict,
+    max_length: int,
+    train_rows: int,
+    seed: int = TrainSettings.seed,
+    rows_seed: int | None = None,
+) -> dict:
+    """transformers' Trainer, full fine-tuning with its defaults, on the same splits (train capped at `train_rows`,
+    drawn with `rows_seed`, None: `seed`; `seed` draws the head and orders the rows)."""
     import transformers
     from transformers import AutoModelForSequenceClassification, AutoTokenizer, Trainer, TrainingArguments
 
@@ -148,7 +156,7 @@ def trainer(weights: Path, parts: dict, max_length: int, train_rows: int, seed: 
         def __init__(self, part, limit=None):
             order = list(range(len(part)))
             if limit is not None and len(order) > limit:
-                random.Random(seed).shuffle(order)
+                random.Random(seed if rows_seed is None else rows_seed).shuffle(order)
                 order = order[:limit]
             targets = part.targets()
             self.items = [(part.texts[i], targets[i]) for i in order]
@@ -331,7 +339,9 @@ def main() -> None:
             else:  # ours measured before: the same splits again, for the Trainer
                 result, parts = done, read_parts(data, weights, Path(tmp), args.seed)
             if args.trainer:
-                result["trainer"] = trainer(weights, parts, result["max_length"], args.trainer_rows, train_seed)
+                result["trainer"] = trainer(
+                    weights, parts, result["max_length"], args.trainer_rows, train_seed, rows_seed=args.seed
+                )
                 args.json.write_text(json.dumps(record, indent=2) + "\n")
         line = ", ".join(f"{r['name']} {r['test_accuracy']:.2%}" for r in result["rows"])
         base = result["baseline"]["test_accuracy"]
