@@ -133,7 +133,6 @@ def _from_v1(record: dict) -> None:
             state["best_step"] = rows[-1]["step"]
 
 
-# From each version to the next, in place: a point of version v goes through UPGRADES[v], UPGRADES[v + 1], ...
 def _from_v2(record: dict) -> None:
     """Version 2 to 3: identity `pooling` (--pooling) added; a point the command wrote before it pooled each text's
     last token."""
@@ -142,6 +141,7 @@ def _from_v2(record: dict) -> None:
         identity.setdefault("pooling", "last")
 
 
+# From each version to the next, in place: a point of version v goes through UPGRADES[v], UPGRADES[v + 1], ...
 UPGRADES = {1: _from_v1, 2: _from_v2}
 
 
