@@ -13,7 +13,7 @@ query may see. A `Layout` says so, once per batch, and every block's attention r
 
 A layout may also name the query rows its caller reads after the last block (`reading`; `at_last_tokens` for a
 classifier, which pools each text's last token): that block computes its queries, and everything after them,
-only there.
+only there. A classifier that pools the mean reads every position instead, through `text_means`.
 
 A layout is made where the batch is made: `data.batching.to_batch` builds it from what it knows on the host (the
 lengths, the padding side), so that a forward never reads a device tensor back to find out
