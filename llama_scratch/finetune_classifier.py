@@ -164,6 +164,7 @@ def replica_plan_inputs(job: Job) -> PlanInputs:
         device_type=job.strategy.device.type,
         lora=choice.lora,
         quantize=choice.quantize,
+        pooling=recipe.pooling,
     )
 
 

@@ -32,7 +32,8 @@ def encode_texts(
     """Token ids with BOS (no EOS) per text, and how many were truncated.
 
     Truncation keeps the first `max_length` tokens (BOS included) and drops the end: the classifier then reads
-    the last kept token, so the model never sees the tail. `max_length=None` keeps everything.
+    the last kept token (or, under --pooling mean, the kept tokens), so the model never sees the tail.
+    `max_length=None` keeps everything.
     """
     if max_length is not None and max_length < 1:
         raise ValueError(f"max_length must be at least 1, got {max_length}")

@@ -250,7 +250,13 @@ def norm_saved_bytes(cfg: LlamaConfig, b: BatchShape, itemsize: int, input_grad:
 
 
 def outside_blocks_saved_bytes(
-    cfg: LlamaConfig, b: BatchShape, itemsize: int, trained_blocks: int, num_classes: int, embedding_trains: bool
+    cfg: LlamaConfig,
+    b: BatchShape,
+    itemsize: int,
+    trained_blocks: int,
+    num_classes: int,
+    embedding_trains: bool,
+    pooling: str = "last",
 ) -> dict[str, int]:
     """Saved tensors outside the blocks: rotary tables, final norm, head, loss."""
     n, rows, d = b.tokens, b.texts, cfg.dim
@@ -258,8 +264,10 @@ def outside_blocks_saved_bytes(
     # Rotary cos and sin, [B, 1, T, head_dim / 2] float32 each (training passes an attention mask or a packed layout:
     # per-token positions), one pair for every block (Llama.run_blocks computes them once per forward).
     out["rotary tables"] = FP32 * n * cfg.head_dim * min(trained_blocks, 1)
-    # Final norm at each row's last token; its input needs a gradient only if the last block trains.
-    out["final norm"] = itemsize * rows * d + ((FP32 * rows * d + FP32 * rows) if trained_blocks else 0)
+    # Final norm at each row's last token (--pooling mean: at every token, which the mean then reads; the mean
+    # itself saves nothing this size); its input needs a gradient only if the last block trains.
+    at = n if pooling == "mean" else rows
+    out["final norm"] = itemsize * at * d + ((FP32 * at * d + FP32 * at) if trained_blocks else 0)
     # Head input (the final norm's output), the float32 logits' log-softmax.
     out["head"] = itemsize * rows * d + 2 * FP32 * rows * num_classes
     if b.packed:

@@ -4,10 +4,11 @@ Parameter counts come from the model built on the meta device, so they are exact
 and optimizer state included). Activation sizes come from the model's own operations: each term (in
 plan_activations.py, and outside the blocks here) names the tensor autograd saves for backward (checked against
 `torch.autograd.graph.saved_tensors_hooks` in tests/planning/test_plan.py), for full blocks and for the classifier's
-last
-block, which runs only at each row's last token. Working memory of a forward or backward step (tensors that live
-for one operation) is an estimate from the same shapes, checked on CPU against the live tensors of real steps; it
-is a small part of the peak. CUDA kernels may keep other temporaries than CPU ones: benchmarks/gpu_8b.py measures.
+last block, which runs only at each row's last token when the head reads that token (`--pooling last`, the default);
+under `--pooling mean` it reads every token, so the last block is a full one. Working memory of a forward or backward
+step (tensors that live for one operation) is an estimate from the same shapes, checked on CPU against the live
+tensors of real steps; it is a small part of the peak. CUDA kernels may keep other temporaries than CPU ones:
+benchmarks/gpu_8b.py measures.
 
 One process (per GPU) holds, at its peak:
   weights + optimizer state                                            always
@@ -24,7 +25,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..model.classifier import trained_blocks
+from ..model.classifier import POOLINGS, trained_blocks
 from ..model.config import LlamaConfig, parse_dtype
 from ..model.counts import ParamCounts, count_parameters
 from ..model.lora import LoRASettings
@@ -106,8 +107,11 @@ class PlanInputs:
     quantize: str | None = None  # "nf4" or "int8": the frozen linear weights held in 4 or 8 bits (--quantize)
     packed: bool = True  # the texts packed into one stream, as training lays them out; False: a padded batch
     tokens: int | None = None  # packed: the real tokens of the batch, if fewer than batch_size x seq_len
+    pooling: str = "last"  # what the head reads (--pooling): "mean" runs the last block and final norm everywhere
 
     def __post_init__(self) -> None:
+        if self.pooling not in POOLINGS:
+            raise ValueError(f"pooling must be one of {POOLINGS}, got {self.pooling!r}")
         if self.optimizer_state not in OPTIMIZER_STATES:
             raise ValueError(f"optimizer_state must be one of {OPTIMIZER_STATES}, got {self.optimizer_state!r}")
         if self.batch_size < 1 or self.seq_len < 1:
@@ -145,6 +149,13 @@ class PlanInputs:
     @property
     def trained_blocks(self) -> int:
         return len(trained_blocks(self.cfg.n_layers, self.train_last))
+
+    @property
+    def full_blocks(self) -> int:
+        """Trained blocks that run at every position: all but the last one under `--pooling last` (it runs at the
+        pooled tokens only), all of them under `--pooling mean`."""
+        k = self.trained_blocks
+        return k if self.pooling == "mean" else max(k - 1, 0)
 
     @property
     def layout(self) -> BatchShape:
@@ -368,16 +379,17 @@ def backward_peak(
     all its weight gradients. Blocks below it still hold what they saved. `saved` is (last block, first kept, other
     kept, first full, other full) in bytes, the full ones by half. The last block's largest temporaries come in its
     attention's backward (keys and values span every position, the rest runs at the pooled rows only), after the
-    gradients of its feed-forward and o_proj: those are there.
+    gradients of its feed-forward and o_proj: those are there. (Under `--pooling mean` every trained block is a full
+    one: there is no such last block.)
     """
     last, kept_first, kept_per_block, first, rest = saved
-    s, k, b = r.param_dtype.itemsize, r.trained_blocks, r.layout
-    full, ckpt = max(k - 1, 0), r.gradient_checkpointing
+    s, b = r.param_dtype.itemsize, r.layout
+    full, ckpt = r.full_blocks, r.gradient_checkpointing
     grads, block_grads, lora = s * counts.trainable, s * counts.block_trained, r.lora is not None
     work = backward_work(cfg, b, s, r.device_type, r.lora is not None)
     # Per block: its bytes kept until its turn, then its moments: (alive in it, its gradients made, temporaries).
     sweep: list[tuple[int, list[tuple[int, int, int]]]] = []
-    if k:
+    if r.trained_blocks > full:  # the last block, at the pooled tokens
         input_grad = full > 0 or r.train_last is None
         end_work = work["end"] if input_grad else work["end, input frozen"]
         at_end = norm_saved_bytes(cfg, b, s, input_grad, lora)
@@ -434,8 +446,9 @@ def plan_memory(r: PlanInputs) -> MemoryPlan:
     b = r.layout
 
     optimizer_state, step_work = optimizer_bytes(r, counts)
-    # Trained blocks: k - 1 full ones (checkpointed, if asked) and the classifier's last block, at the pooled rows.
-    full = max(k - 1, 0)
+    # Trained blocks: k - 1 full ones (checkpointed, if asked) and the classifier's last block, at the pooled rows;
+    # under --pooling mean, k full ones.
+    full = r.full_blocks
     qz = quantized_parts(r, counts)
     first, rest = full_blocks_saved(r, cfg)
     full_first, full_rest = first.total, rest.total
@@ -443,8 +456,9 @@ def plan_memory(r: PlanInputs) -> MemoryPlan:
     kept_per_block = s * b.tokens * cfg.dim if r.gradient_checkpointing else full_rest  # the block's input
     kept_first = s * b.tokens * cfg.dim if r.gradient_checkpointing else full_first
     last_grad = full > 0 or r.train_last is None
-    last = last_block_saved_bytes(cfg, b, s, last_grad, r.device_type, r.lora) if k else 0
-    shared = sum(outside_blocks_saved_bytes(cfg, b, s, k, r.num_classes, r.train_last is None).values())
+    last = last_block_saved_bytes(cfg, b, s, last_grad, r.device_type, r.lora) if k > full else 0
+    outside = outside_blocks_saved_bytes(cfg, b, s, k, r.num_classes, r.train_last is None, r.pooling)
+    shared = sum(outside.values())
     activations = shared + last + (kept_first + (full - 1) * kept_per_block if full else 0)
 
     grads = s * counts.trainable

@@ -99,10 +99,12 @@ def format_plan(plan: MemoryPlan, gpu: tuple[str, int] | None = None) -> str:
         row(name, n, what)
     row("optimizer state", plan.optimizer_state, f"{state}, {c.trainable:,} trained parameters{share}")
     row("gradients", plan.gradients, f"{c.trainable:,} x {s} B, {gradients_note(r, share)}")
-    k = r.trained_blocks
-    if k > 1:
-        each = "inputs only" if r.gradient_checkpointing else f"{plan.block_activations / GiB:.2f} GiB each"
-        what = f"{k - 1} full block(s) ({each}) + the last block ({plan.last_block_activations / GiB:.2f} GiB)"
+    k, full = r.trained_blocks, r.full_blocks
+    each = "inputs only" if r.gradient_checkpointing else f"{plan.block_activations / GiB:.2f} GiB each"
+    if full == k:  # --pooling mean: the head reads every token, so every trained block runs at every token
+        what = f"{k} full block(s) ({each}), the final norm at every token (--pooling mean)"
+    elif full:
+        what = f"{full} full block(s) ({each}) + the last block ({plan.last_block_activations / GiB:.2f} GiB)"
     else:
         what = f"the last block, run at each row's last token ({plan.last_block_activations / GiB:.2f} GiB)"
     row("activations", plan.activations, f"saved for backward: {what if k else 'final norm and head'}")
@@ -310,6 +312,7 @@ def plan_command(settings, cfg: LlamaConfig, train_last: int | None, lora: LoRAS
         device_type="cuda" if on_gpu else "cpu",
         lora=lora,
         quantize=compute.quantize,
+        pooling=recipe.pooling,
     )
     plan = plan_memory(inputs)
     cache = compute.cache_frozen  # the frozen-prefix cache (prefix_cache.py)

@@ -282,6 +282,20 @@ def test_plan_advice_changes_the_flag_that_sizes_the_batch(batch, capsys):
     assert cli.main([*kept, "--max-length", "512", *option.split()]) == 0  # fits as offered
 
 
+def test_plan_counts_the_last_block_at_every_token_under_pooling_mean(capsys):
+    """`plan --pooling mean` plans the last block as a full one (the head reads every token), as a run with those
+    flags measures (tests/planning/test_plan.py): more activations than the last token's plan, and says why."""
+    argv = ["plan", "--model", "llama3-8b", "--train-last", "2", "--max-length", "256"]
+    saved = {}
+    for pooling in ("last", "mean"):
+        assert cli.main([*argv, "--pooling", pooling]) == 0
+        row = re.search(r"^  activations\s+([\d.]+) GiB\s+(.*)$", capsys.readouterr().out, re.MULTILINE)
+        saved[pooling] = (float(row[1]), row[2])
+    assert saved["mean"][0] > saved["last"][0]
+    assert "2 full block(s)" in saved["mean"][1] and "--pooling mean" in saved["mean"][1]
+    assert "1 full block(s)" in saved["last"][1] and "the last block" in saved["last"][1]
+
+
 # ---------------------------------------------------------------------------------------------- 9: runs/latest
 
 

@@ -106,14 +106,16 @@ def saved_for_backward(clf: LlamaClassifier, ids: torch.Tensor) -> int:
     return sum(saved.values())
 
 
+@pytest.mark.parametrize("pooling", ["last", "mean"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("train_last", [0, 1, 2, None])
-def test_activations_are_what_autograd_saves(dtype, train_last):
+def test_activations_are_what_autograd_saves(dtype, train_last, pooling):
+    """--pooling mean runs the last block and the final norm at every token: the plan counts a full block more."""
     cfg = dataclasses.replace(SMALL, dtype=dtype)
-    clf = LlamaClassifier(Llama(cfg), num_classes=3, train_last=train_last).train()
+    clf = LlamaClassifier(Llama(cfg), num_classes=3, train_last=train_last, pooling=pooling).train()
     measured = saved_for_backward(clf, torch.randint(0, cfg.vocab_size, (4, 64)))
     planned = plan_memory(
-        PlanInputs(cfg, 4, 64, train_last, num_classes=3, device_type="cpu", packed=False)
+        PlanInputs(cfg, 4, 64, train_last, num_classes=3, device_type="cpu", packed=False, pooling=pooling)
     ).activations
     assert planned == pytest.approx(measured, rel=0.02)
 
@@ -169,19 +171,20 @@ def packed_saved_for_backward(clf: LlamaClassifier, lengths: list[int]) -> int:
     return sum(saved.values())
 
 
+@pytest.mark.parametrize("pooling", ["last", "mean"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("train_last", [0, 1, 2, None])
 @pytest.mark.parametrize("lora", [None, LoRASettings(8), LoRASettings(4, dropout=0.1)], ids=["weights", "lora", "drop"])
-def test_packed_activations_are_what_autograd_saves(dtype, train_last, lora):
+def test_packed_activations_are_what_autograd_saves(dtype, train_last, lora, pooling):
     """Training's layout: norms, projections and the feed-forward keep [tokens, ...] tensors, attention's kernel
     [texts, heads, longest, head_dim] ones, and the packing keeps the packed q, k and v (index_copy's sources), an
     unpadded copy of attention's output for o_proj and the batch's ints (activations.block_saved)."""
     if lora is not None and train_last == 0:
         pytest.skip("LoRA adapts trained blocks: none here")
     cfg = dataclasses.replace(SMALL, dtype=dtype)
-    clf = LlamaClassifier(Llama(cfg), num_classes=3, train_last=train_last, lora=lora).train()
+    clf = LlamaClassifier(Llama(cfg), num_classes=3, train_last=train_last, lora=lora, pooling=pooling).train()
     measured = packed_saved_for_backward(clf, PACKED_LENGTHS)
-    plan = plan_memory(packed_plan_inputs(cfg, PACKED_LENGTHS, train_last, lora=lora))
+    plan = plan_memory(packed_plan_inputs(cfg, PACKED_LENGTHS, train_last, lora=lora, pooling=pooling))
     # Within the head's float32 log-softmax, which the plan counts twice (once for the loss): 60 bytes here.
     assert plan.activations == pytest.approx(measured, rel=0.001, abs=64)
 
@@ -229,11 +232,25 @@ def test_peaks_match_live_tensors_of_real_steps(train_last, checkpointing, grad_
 def test_packed_peaks_match_live_tensors_of_real_steps(train_last, checkpointing, grad_accum, lora):
     """test_peaks_match_live_tensors_of_real_steps for training's packed layout: what is alive after the forward is
     the plan's activations, and the peak of two optimizer steps is near the plan, not above it."""
+    check_packed_steps_against_the_plan(train_last, checkpointing, grad_accum, lora, "last")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("train_last, checkpointing", [(1, False), (2, False), (2, True), (None, False)])
+def test_mean_pooled_peaks_match_live_tensors_of_real_steps(train_last, checkpointing):
+    """Under --pooling mean the last block runs at every token (a full block, checkpointed like the others): the
+    plan has no last block at the pooled rows, and its backward sweep starts with a full one."""
+    check_packed_steps_against_the_plan(train_last, checkpointing, 1, None, "mean")
+
+
+def check_packed_steps_against_the_plan(
+    train_last: int | None, checkpointing: bool, grad_accum: int, lora: LoRASettings | None, pooling: str
+) -> None:
     cfg = dataclasses.replace(SMALL, dtype=torch.bfloat16)
-    clf = LlamaClassifier(Llama(cfg), num_classes=3, train_last=train_last, lora=lora).train()
+    clf = LlamaClassifier(Llama(cfg), num_classes=3, train_last=train_last, lora=lora, pooling=pooling).train()
     clf.backbone.gradient_checkpointing = checkpointing
     optimizer = make_optimizer(clf, TrainSettings())
-    more = dict(gradient_checkpointing=checkpointing, grad_accum=grad_accum, lora=lora)
+    more = dict(gradient_checkpointing=checkpointing, grad_accum=grad_accum, lora=lora, pooling=pooling)
     plan = plan_memory(packed_plan_inputs(cfg, PACKED_LENGTHS, train_last, **more))
     masters = sum(m.numel() * m.element_size() for m in getattr(optimizer, "masters", []))
     with gpu_8b.peak_memory(torch.device("cpu"), baseline=gpu_8b.tensor_bytes(clf) + masters) as mem:
