@@ -382,6 +382,9 @@ def parse_args(argv: list[str] | None = None) -> FinetuneSettings:
 FLAGS_VERSION = 2
 _RENAMED_IN_2 = {"data": "source", "model": "ref", "lora": "rank", "lora_alpha": "alpha"}
 _RENAMED_IN_2 |= {"lora_dropout": "dropout", "lora_targets": "targets", "plan": "requested"}
+# Settings recorded since a version's first records, with what a record without them meant (the run did that, as
+# there was no other way), so that a flag typed on --resume is checked against it and not taken as new.
+ADDED_SINCE = {("recipe", "pooling"): "last"}
 
 
 def _plain(value):
@@ -420,6 +423,9 @@ def upgrade_flags(record: dict, where: Path) -> dict[str, dict]:
     settings = upgraded(record, where, FLAGS_VERSION, {1: _nest_1}).get("settings")
     if not isinstance(settings, dict):
         raise ValueError(f"{where} does not hold a run's settings; resume with every flag given, or --overwrite")
+    for (home, name), meant in ADDED_SINCE.items():
+        if isinstance(settings.get(home, {}), dict):
+            settings.setdefault(home, {}).setdefault(name, meant)
     return settings
 
 

@@ -139,11 +139,12 @@ def test_batch_tokens_trains_plans_and_classifies_as_a_user_types_it(small_csv, 
 @pytest.mark.slow
 def test_batch_tokens_on_two_processes_equals_accumulation_on_one(small_csv, tmp_path):
     """Two DDP processes each take every other micro-batch of one list; one process accumulating two micro-batches
-    a step takes the same pairs: the same steps, the same weights (each micro-batch's loss counts its rows)."""
+    a step takes the same pairs: the same steps, the same weights (each micro-batch's loss counts its rows). Under
+    --pooling mean, so that DDP is also shown with the head reading every token's mean."""
     single, ddp = tmp_path / "single", tmp_path / "ddp"
-    one = run_module(*args_for(small_csv, single, "--batch-tokens", "300", "--grad-accum", "2"))
+    one = run_module(*args_for(small_csv, single, "--batch-tokens", "300", "--grad-accum", "2", "--pooling", "mean"))
     assert one.returncode == 0, one.stderr
-    two = run_module(*args_for(small_csv, ddp, "--batch-tokens", "300"), torchrun=2)
+    two = run_module(*args_for(small_csv, ddp, "--batch-tokens", "300", "--pooling", "mean"), torchrun=2)
     assert two.returncode == 0, two.stderr
     a, b = load_file(single / "classifier.safetensors"), load_file(ddp / "classifier.safetensors")
     # float32, a few steps: the two sum the same terms in another order (all-reduce against accumulation).
@@ -387,6 +388,9 @@ def test_resume_refuses_other_flags_or_data_before_loading_anything(small_csv, t
     assert finetune_classifier.main(["--resume", "--output", str(out), "--lr", "5e-4"]) == 2
     err = capsys.readouterr().err
     assert "--lr was 0.001, now 0.0005" in err and len(err.strip().splitlines()) == 1
+    assert finetune_classifier.main(["--resume", "--output", str(out), "--pooling", "mean"]) == 2
+    err = capsys.readouterr().err  # what the head reads is what the weights were trained for
+    assert "--pooling was 'last', now 'mean'" in err and len(err.strip().splitlines()) == 1
     data.write_text(data.read_text().replace("ham", "spam", 3))
     assert finetune_classifier.main(["--resume", "--output", str(out)]) == 2
     assert "the data (texts or labels) was" in capsys.readouterr().err

@@ -61,13 +61,24 @@ def test_a_version_1_record_is_upgraded_and_a_newer_one_refused(tmp_path):
     old = {"data": "x.csv", "lora": 8, "lora_targets": "q,v", "epochs": 3, "plan": False, "gone_flag": 1}
     nested = upgrade_flags(old, tmp_path)
     assert nested["data"] == {"source": "x.csv"} and nested["lora"] == {"rank": 8, "targets": "q,v"}
-    assert nested["recipe"] == {"epochs": 3} and nested["plan"] == {"requested": False}
+    assert nested["recipe"] == {"epochs": 3, "pooling": "last"}  # a run before --pooling read the last token
+    assert nested["plan"] == {"requested": False}
     resumed = resumed_flags(parse_args(["--resume"]), old, tmp_path)
     assert (resumed.data.source, resumed.lora.rank, resumed.recipe.epochs) == ("x.csv", 8, 3)
     with pytest.raises(ValueError, match=r"newer llama_scratch \(version 3; this one reads up to 2\)"):
         upgrade_flags({"version": 3, "settings": {}}, tmp_path / "run_flags.json")
     with pytest.raises(ValueError, match="does not hold a run's settings"):
         upgrade_flags({"version": 2}, tmp_path)
+
+
+def test_a_record_from_before_pooling_read_the_last_token(tmp_path):
+    """run_flags.json written before --pooling existed: that run read the last token, so --pooling mean typed on its
+    --resume is a change, refused like any other, and a bare --resume keeps the last token."""
+    record = json.loads(json.dumps(recorded_flags(parse_args(["--data", "x.csv"]))))
+    del record["settings"]["recipe"]["pooling"]
+    assert resumed_flags(parse_args(["--resume"]), record, tmp_path).recipe.pooling == "last"
+    with pytest.raises(ValueError, match=r"\(--pooling was 'last', now 'mean'\)"):
+        resumed_flags(parse_args(["--resume", "--pooling", "mean"]), record, tmp_path)
 
 
 def test_the_recipe_defaults_are_the_loop_s():

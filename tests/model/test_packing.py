@@ -57,13 +57,15 @@ def test_pack_layout():
         pack([2, 0])
 
 
+@pytest.mark.parametrize("pooling", ["last", "mean"])
 @pytest.mark.parametrize("lora", [False, True])
 @pytest.mark.parametrize("train_last", [1, None])
 @pytest.mark.parametrize("side", ["right", "left"])
-def test_packed_equals_padded(side, train_last, lora):
-    """Logits and every trained parameter's gradient, packed vs padded on either side, to 1e-5 in float32."""
+def test_packed_equals_padded(side, train_last, lora, pooling):
+    """Logits and every trained parameter's gradient, packed vs padded on either side, to 1e-5 in float32, whichever
+    vector the head reads."""
     settings = LoRASettings(rank=4, alpha=8, dropout=0.0) if lora else None
-    clf = LlamaClassifier(tiny(), num_classes=3, train_last=train_last, lora=settings).train()
+    clf = LlamaClassifier(tiny(), num_classes=3, train_last=train_last, lora=settings, pooling=pooling).train()
     if lora:  # adapters start at zero (lora_b); make them matter
         with torch.no_grad():
             for name, p in clf.named_parameters():
@@ -78,9 +80,12 @@ def test_packed_equals_padded(side, train_last, lora):
         torch.testing.assert_close(g, padded_grads[name], rtol=1e-5, atol=1e-5, msg=name)
 
 
-def test_packed_frozen_prefix_equals_padded():
-    """The frozen-prefix pass packed gives the padded pass's states, and training on them packed the same logits."""
-    clf = LlamaClassifier(tiny(), num_classes=3, train_last=1).eval()
+@pytest.mark.parametrize("pooling", ["last", "mean"])
+@pytest.mark.parametrize("train_last", [0, 1])
+def test_packed_frozen_prefix_equals_padded(train_last, pooling):
+    """The frozen-prefix pass packed gives the padded pass's states, and training on them packed the same logits
+    (under train_last 0, the cache holds every block's output and the head reads it directly)."""
+    clf = LlamaClassifier(tiny(), num_classes=3, train_last=train_last, pooling=pooling).eval()
     data = split()
     packed = compute_frozen_states(clf, data.ids, data.pad_id, batch_size=3, show=False, packed=True)
     padded = compute_frozen_states(clf, data.ids, data.pad_id, batch_size=3, show=False, packed=False)
