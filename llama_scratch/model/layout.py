@@ -191,7 +191,7 @@ class Layout:
         """t [B, T, dim] (packed: [1, N, dim]) -> [texts, dim], the mean over each text's real tokens: a pad weighs
         nothing, so a text's mean is the same alone, padded on either side, or packed."""
         if self.texts is not None:
-            return torch.stack([part.mean(0) for part in self.texts.split(t)])
+            return self.texts.means(t)
         if self.real is None:
             return t.mean(1)
         real = self.real[:, -t.shape[1] :].unsqueeze(-1)  # the new tokens' columns (after a cache)

@@ -264,10 +264,12 @@ def outside_blocks_saved_bytes(
     # Rotary cos and sin, [B, 1, T, head_dim / 2] float32 each (training passes an attention mask or a packed layout:
     # per-token positions), one pair for every block (Llama.run_blocks computes them once per forward).
     out["rotary tables"] = FP32 * n * cfg.head_dim * min(trained_blocks, 1)
-    # Final norm at each row's last token (--pooling mean: at every token, which the mean then reads; the mean
-    # itself saves nothing this size); its input needs a gradient only if the last block trains.
+    # Final norm at each row's last token (--pooling mean: at every token, which the mean then reads); its input
+    # needs a gradient only if the last block trains.
     at = n if pooling == "mean" else rows
     out["final norm"] = itemsize * at * d + ((FP32 * at * d + FP32 * at) if trained_blocks else 0)
+    if pooling == "mean" and b.packed:
+        out["mean"] = FP32 * rows * n  # the [texts, tokens] weights of Packed.means' product
     # Head input (the final norm's output), the float32 logits' log-softmax.
     out["head"] = itemsize * rows * d + 2 * FP32 * rows * num_classes
     if b.packed:

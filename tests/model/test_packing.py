@@ -138,10 +138,11 @@ def test_last_layer_hidden_states_match_an_unpadded_run():
             torch.testing.assert_close(got, alone, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("pooling", ["last", "mean"])
 @pytest.mark.parametrize("layout", ["packed", "right", "left"])
-def test_no_host_sync_in_a_classifier_forward(monkeypatch, layout):
+def test_no_host_sync_in_a_classifier_forward(monkeypatch, layout, pooling):
     """No tensor is read back to the host during the forward and backward of a batch from `to_batch`."""
-    clf = LlamaClassifier(tiny(), num_classes=3, train_last=None).train()
+    clf = LlamaClassifier(tiny(), num_classes=3, train_last=None, pooling=pooling).train()
     batch = to_batch(split(), [0, 1, 2, 3], layout, torch.device("cpu"))
     reads = []
     for name in ("__bool__", "item", "tolist", "__int__", "__float__", "__index__"):
