@@ -421,11 +421,10 @@ def upgrade_flags(record: dict, where: Path) -> dict[str, dict]:
     """A run's record in this version's shape ({group: {field: value}}), whichever version wrote it; a version this
     code does not know is refused, naming it (checkpoints.versions, as classifier.json and metrics.json)."""
     settings = upgraded(record, where, FLAGS_VERSION, {1: _nest_1}).get("settings")
-    if not isinstance(settings, dict):
+    if not isinstance(settings, dict) or not all(isinstance(group, dict) for group in settings.values()):
         raise ValueError(f"{where} does not hold a run's settings; resume with every flag given, or --overwrite")
     for (home, name), meant in ADDED_SINCE.items():
-        if isinstance(settings.get(home, {}), dict):
-            settings.setdefault(home, {}).setdefault(name, meant)
+        settings.setdefault(home, {}).setdefault(name, meant)
     return settings
 
 

@@ -54,17 +54,13 @@ class Packed(NamedTuple):
         return t[0].split(self.lengths)
 
     def means(self, t: torch.Tensor) -> torch.Tensor:
-        """[1, N, dim] -> [texts, dim], the mean of each text's tokens, in float32 as `mean` computes it.
+        """[1, N, dim] -> [texts, dim], the mean of each text's tokens.
 
-        One matrix product, whatever the number of texts (a mean per text would launch kernels for each, forward and
-        backward): a [texts, N] matrix holds 1/length where a token belongs to the text and 0 elsewhere. Each text's
-        length is read on the device, from its last token's position (no host sync). Backward keeps that matrix only,
-        not the stream. Not `index_add`, whose CUDA sums are atomic, in no fixed order: the same batch would give
-        other bits; and not `pad`, whose backward keeps its input."""
-        text_of = self.slots // self.longest  # [N] each token's text
-        lengths = self.positions[0, self.last[0]] + 1  # [texts]
-        own = text_of == torch.arange(self.texts, device=t.device).unsqueeze(-1)  # [texts, N]
-        return ((own / lengths.unsqueeze(-1)) @ t[0].float()).to(t.dtype)
+        A mean per text: exact, and its backward keeps nothing, for two small kernels a text. Not one product with a
+        [texts, N] matrix of 1/length weights, which grows as texts x tokens (under --batch-tokens, with the square
+        of the budget); nor `index_add`, whose CUDA sums are atomic, in no fixed order, so the same batch would give
+        other bits."""
+        return torch.stack([part.mean(0) for part in self.split(t)])
 
 
 def to_device(host: Sequence[torch.Tensor], device: torch.device | str | None) -> list[torch.Tensor]:

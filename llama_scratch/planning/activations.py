@@ -205,6 +205,13 @@ def block_forward_work(cfg: LlamaConfig, b: BatchShape, itemsize: int) -> int:
     return max(ffn, attention, norm) + FP32 * n * cfg.head_dim + itemsize * n * d
 
 
+def final_norm_work(cfg: LlamaConfig, b: BatchShape, itemsize: int) -> int:
+    """Temporaries of the final norm run at every token (--pooling mean): its float32 arithmetic, as a block's norm
+    (`block_forward_work`), beside its input."""
+    n, d = b.tokens, cfg.dim
+    return 3 * FP32 * n * d + 2 * itemsize * n * d
+
+
 def trained_forward_work(cfg: LlamaConfig, b: BatchShape) -> int:
     """Temporaries of a trained block's forward beyond what it saves: the float32 rotary arithmetic on q."""
     return 2 * FP32 * b.tokens * cfg.n_heads * cfg.head_dim
@@ -268,8 +275,6 @@ def outside_blocks_saved_bytes(
     # needs a gradient only if the last block trains.
     at = n if pooling == "mean" else rows
     out["final norm"] = itemsize * at * d + ((FP32 * at * d + FP32 * at) if trained_blocks else 0)
-    if pooling == "mean" and b.packed:
-        out["mean"] = FP32 * rows * n  # the [texts, tokens] weights of Packed.means' product
     # Head input (the final norm's output), the float32 logits' log-softmax.
     out["head"] = itemsize * rows * d + 2 * FP32 * rows * num_classes
     if b.packed:

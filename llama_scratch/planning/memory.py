@@ -36,6 +36,7 @@ from .activations import (
     backward_work,
     block_forward_work,
     block_saved,
+    final_norm_work,
     last_block_saved_bytes,
     norm_saved_bytes,
     outside_blocks_saved_bytes,
@@ -302,6 +303,7 @@ class MemoryPlan:
             "tokens": r.layout.tokens,
             "packed": r.packed,
             "train_last": r.train_last,
+            "pooling": r.pooling,
             "dtype": str(r.param_dtype).removeprefix("torch."),
             "optimizer_state": r.optimizer_state,
             "gradient_checkpointing": r.gradient_checkpointing,
@@ -408,7 +410,9 @@ def backward_peak(
         ]
         sweep.append((kept, [(at + recomputed_beside, made, temp) for at, made, temp in moments]))
     alive, done = activations, s * (counts.head + cfg.dim)  # head and final norm
-    peak = alive + max(held, done)
+    # Under --pooling mean the final norm's backward runs at every token first, its arithmetic in float32.
+    final_norm = (work["end"] if r.trained_blocks else work["end, input frozen"]) if r.pooling == "mean" else 0
+    peak = alive + max(held, done) + final_norm
     for kept, moments in sweep:
         alive -= kept
         peak = max(peak, *(alive + at + max(held, done + made) + temp for at, made, temp in moments))
@@ -465,6 +469,8 @@ def plan_memory(r: PlanInputs) -> MemoryPlan:
     frozen_work = block_forward_work(cfg, b, s)
     # A checkpointed block's forward runs like a frozen one: its internals are temporaries.
     fwd_work = frozen_work if r.gradient_checkpointing else trained_forward_work(cfg, b)
+    if r.pooling == "mean":  # the final norm at every token, after the blocks: its float32 arithmetic
+        fwd_work = max(fwd_work, final_norm_work(cfg, b, s))
     work = backward_work(cfg, b, s, r.device_type, r.lora is not None)
     held = held_gradients(r, s * whole.trainable, grads)
     gathered_forward, gathered_backward = gathered_bytes(r, whole)

@@ -69,6 +69,8 @@ def test_a_version_1_record_is_upgraded_and_a_newer_one_refused(tmp_path):
         upgrade_flags({"version": 3, "settings": {}}, tmp_path / "run_flags.json")
     with pytest.raises(ValueError, match="does not hold a run's settings"):
         upgrade_flags({"version": 2}, tmp_path)
+    with pytest.raises(ValueError, match="does not hold a run's settings"):  # a group that is not one
+        upgrade_flags({"version": 2, "settings": {"recipe": None}}, tmp_path)
 
 
 def test_a_record_from_before_pooling_read_the_last_token(tmp_path):

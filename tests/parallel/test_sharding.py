@@ -86,8 +86,8 @@ def args_for(model: Path, data: Path, out: Path, *extra: str) -> list[str]:
         ["--train-last", "all"],
         ["--train-last", "2"],
         ["--train-last", "2", "--lora", "4"],
-        # hybrid: 2 replicas of 1 shard (the 2-D mesh), the head reading every token's mean
-        ["--train-last", "all", "--shard-group", "1", "--pooling", "mean"],
+        ["--train-last", "2", "--pooling", "mean"],  # the head reads every token's mean: the last block everywhere
+        ["--train-last", "all", "--shard-group", "1"],  # hybrid: 2 replicas of 1 shard (the 2-D mesh)
     ],
     ids=str,
 )

@@ -243,6 +243,30 @@ def test_mean_pooled_peaks_match_live_tensors_of_real_steps(train_last, checkpoi
     check_packed_steps_against_the_plan(train_last, checkpointing, 1, None, "mean")
 
 
+@pytest.mark.parametrize("lengths", [PACKED_LENGTHS, [12] * 40 + [200]], ids=["mixed", "many short"])
+@pytest.mark.parametrize(
+    "train_last, checkpointing, lora",
+    [(0, False, None), (1, False, None), (1, False, LoRASettings(8)), (2, False, LoRASettings(8)), (None, True, None)],
+)
+def test_mean_pooled_forward_and_backward_stay_within_their_planned_phases(train_last, checkpointing, lora, lengths):
+    """Phase by phase, not only the run's peak (often the optimizer step's): under --pooling mean the final norm runs
+    at every token, forward and backward, and its float32 arithmetic is planned in both."""
+    cfg = dataclasses.replace(SMALL, dtype=torch.bfloat16)
+    clf = LlamaClassifier(Llama(cfg), num_classes=3, train_last=train_last, lora=lora, pooling="mean").train()
+    clf.backbone.gradient_checkpointing = checkpointing
+    more = dict(gradient_checkpointing=checkpointing, lora=lora, pooling="mean")
+    phases = plan_memory(packed_plan_inputs(cfg, lengths, train_last, **more)).phases
+    with gpu_8b.LiveTensorBytes() as live:
+        batch = packed_batch(cfg, lengths)
+        loss = F.cross_entropy(forward(clf, batch).float(), batch["labels"])
+        forward_peak, live.peak = live.peak, live.current
+        loss.backward()
+        backward_peak = live.peak
+    # A frozen forward (train_last 0) is its own phase, planned apart. Within 2%, as the runs' peaks above.
+    assert forward_peak <= 1.02 * max(phases["forward"], phases.get("frozen forward", 0))
+    assert backward_peak <= 1.02 * phases["backward"]
+
+
 def check_packed_steps_against_the_plan(
     train_last: int | None, checkpointing: bool, grad_accum: int, lora: LoRASettings | None, pooling: str
 ) -> None:
