@@ -86,7 +86,6 @@ def args_for(model: Path, data: Path, out: Path, *extra: str) -> list[str]:
         ["--train-last", "all"],
         ["--train-last", "2"],
         ["--train-last", "2", "--lora", "4"],
-        ["--train-last", "2", "--pooling", "mean"],  # the head reads every token's mean: the last block everywhere
         ["--train-last", "all", "--shard-group", "1"],  # hybrid: 2 replicas of 1 shard (the 2-D mesh)
     ],
     ids=str,
