@@ -211,10 +211,13 @@ class Llama(nn.Module):
         for i in blocks:
             block, here = self.blocks[i], layout.for_block(i, last=i == blocks[-1])
             # A frozen block fed by frozen blocks saves nothing for backward: there is nothing to recompute. A
-            # block run at query rows only saves little (its norm, keys and values): not worth recomputing.
+            # block run at query rows only saves little (its norm, keys and values): not worth recomputing. Nor is
+            # the top block (run at every position when the classifier reads every token's mean): its backward
+            # comes first, right after the forward, so its saved tensors would be rebuilt at once.
             if (
                 recompute
                 and here.rows is None
+                and i != blocks[-1]
                 and (x.requires_grad or any(p.requires_grad for p in block.parameters()))
             ):
                 x = checkpoint(block, x, rope, here, use_reentrant=False)

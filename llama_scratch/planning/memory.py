@@ -400,7 +400,9 @@ def backward_peak(
     for i in range(full):
         bottom = i == full - 1
         kept, parts = (kept_first, first) if bottom else (kept_per_block, rest)
-        recomputed_beside = kept if ckpt else 0  # a checkpointed block's input stays through its backward
+        checkpointed = ckpt and not (i == 0 and r.pooling == "mean")  # the top block never is (Llama.run_blocks)
+        kept = kept if checkpointed else parts.total
+        recomputed_beside = kept if checkpointed else 0  # a checkpointed block's input stays through its backward
         input_grad = r.train_last is None or not bottom
         at_end = norm_saved_bytes(cfg, b, s, input_grad, lora)
         moments = [
@@ -437,6 +439,27 @@ def full_blocks_saved(r: PlanInputs, cfg: LlamaConfig) -> tuple[BlockSaved, Bloc
     return first, rest
 
 
+def saved_activations(r: PlanInputs, cfg: LlamaConfig) -> tuple[int, tuple[int, int, int, BlockSaved, BlockSaved]]:
+    """Bytes kept from forward to backward, in all, and the parts that backward frees block by block: the classifier's
+    last block at the pooled rows, the lowest full block, each full one above it (their inputs only, when
+    checkpointed), and what those two save as their backward has it (`backward_peak`'s `saved`).
+
+    The trained blocks are k - 1 full ones and the classifier's last block, run at the pooled rows; under --pooling
+    mean, k full ones."""
+    s, b, k, full = r.param_dtype.itemsize, r.layout, r.trained_blocks, r.full_blocks
+    first, rest = full_blocks_saved(r, cfg)
+    kept_per_block = s * b.tokens * cfg.dim if r.gradient_checkpointing else rest.total  # the block's input
+    kept_first = s * b.tokens * cfg.dim if r.gradient_checkpointing else first.total
+    last_grad = full > 0 or r.train_last is None
+    last = last_block_saved_bytes(cfg, b, s, last_grad, r.device_type, r.lora) if k > full else 0
+    outside = outside_blocks_saved_bytes(cfg, b, s, k, r.num_classes, r.train_last is None, r.pooling)
+    kept = [kept_first] + [kept_per_block] * (full - 1) if full else []  # each full block's, from the bottom
+    if r.gradient_checkpointing and r.pooling == "mean" and full:
+        # The top block is never checkpointed (Llama.run_blocks): under the mean it is a full one, kept whole.
+        kept[-1] = first.total if full == 1 else rest.total
+    return sum(outside.values()) + last + sum(kept), (last, kept_first, kept_per_block, first, rest)
+
+
 def plan_memory(r: PlanInputs) -> MemoryPlan:
     """Bytes one process needs for a run of these inputs, part by part, and its peak."""
     if r.lora is not None and r.train_last is None:  # adapters in every block; the embedding stays frozen
@@ -450,20 +473,11 @@ def plan_memory(r: PlanInputs) -> MemoryPlan:
     b = r.layout
 
     optimizer_state, step_work = optimizer_bytes(r, counts)
-    # Trained blocks: k - 1 full ones (checkpointed, if asked) and the classifier's last block, at the pooled rows;
-    # under --pooling mean, k full ones.
     full = r.full_blocks
     qz = quantized_parts(r, counts)
-    first, rest = full_blocks_saved(r, cfg)
-    full_first, full_rest = first.total, rest.total
-    block_full = full_rest if full > 1 or r.train_last is None else full_first
-    kept_per_block = s * b.tokens * cfg.dim if r.gradient_checkpointing else full_rest  # the block's input
-    kept_first = s * b.tokens * cfg.dim if r.gradient_checkpointing else full_first
-    last_grad = full > 0 or r.train_last is None
-    last = last_block_saved_bytes(cfg, b, s, last_grad, r.device_type, r.lora) if k > full else 0
-    outside = outside_blocks_saved_bytes(cfg, b, s, k, r.num_classes, r.train_last is None, r.pooling)
-    shared = sum(outside.values())
-    activations = shared + last + (kept_first + (full - 1) * kept_per_block if full else 0)
+    activations, parts = saved_activations(r, cfg)
+    last, first, rest = parts[0], parts[3], parts[4]
+    block_full = rest.total if full > 1 or r.train_last is None else first.total
 
     grads = s * counts.trainable
     frozen_work = block_forward_work(cfg, b, s)
@@ -474,7 +488,7 @@ def plan_memory(r: PlanInputs) -> MemoryPlan:
     work = backward_work(cfg, b, s, r.device_type, r.lora is not None)
     held = held_gradients(r, s * whole.trainable, grads)
     gathered_forward, gathered_backward = gathered_bytes(r, whole)
-    backward = backward_peak(r, cfg, counts, activations, held, (last, kept_first, kept_per_block, first, rest))
+    backward = backward_peak(r, cfg, counts, activations, held, parts)
     # --quantize: each frozen linear is dequantized as it runs, one at a time; under LoRA, whose blocks compute over
     # quantized weights, again in backward, for its input's gradient (and in a checkpointed block's rerun).
     recomputed = qz.transient if r.lora is not None else 0

@@ -26,7 +26,7 @@ def simulate(*args: str) -> dict:
     [
         ["--model", "tiny", "--world-size", "4", "--train-last", "2"],
         ["--model", "tiny", "--world-size", "8", "--train-last", "2", "--lora", "4"],
-        ["--model", "llama3.2-1b", "--world-size", "8", "--train-last", "all", "--gradient-checkpointing"],
+        ["--model", "tiny", "--world-size", "8", "--train-last", "all", "--gradient-checkpointing"],
         ["--model", "tiny", "--world-size", "4", "--train-last", "2", "--no-shard"],
     ],
     ids=" ".join,

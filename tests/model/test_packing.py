@@ -153,9 +153,10 @@ def test_no_host_sync_in_a_classifier_forward(monkeypatch, layout, pooling):
     assert reads == []
 
 
-def test_packed_with_gradient_checkpointing():
+@pytest.mark.parametrize("pooling", ["last", "mean"])
+def test_packed_with_gradient_checkpointing(pooling):
     """Recomputing blocks in backward (the packed layout passed through `checkpoint`) gives the same gradients."""
-    clf = LlamaClassifier(tiny(), num_classes=3, train_last=None).train()
+    clf = LlamaClassifier(tiny(), num_classes=3, train_last=None, pooling=pooling).train()
     batch = to_batch(split(), [0, 1, 2, 3], "packed", torch.device("cpu"))
     _, plain = logits_and_grads(clf, batch)
     clf.backbone.gradient_checkpointing = True
