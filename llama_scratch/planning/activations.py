@@ -201,13 +201,13 @@ def block_forward_work(cfg: LlamaConfig, b: BatchShape, itemsize: int) -> int:
         attention = 2 * itemsize * n * d + max(rotary, itemsize * p * (2 * q + 2 * kv) + itemsize * n * q)
     else:
         attention = 2 * itemsize * n * d + itemsize * n * (q + 2 * kv) + 3 * FP32 * n * q
-    norm = 3 * FP32 * n * d + 2 * itemsize * n * d
+    norm = norm_forward_work(cfg, b, itemsize)
     return max(ffn, attention, norm) + FP32 * n * cfg.head_dim + itemsize * n * d
 
 
-def final_norm_work(cfg: LlamaConfig, b: BatchShape, itemsize: int) -> int:
-    """Temporaries of the final norm run at every token (--pooling mean): its float32 arithmetic, as a block's norm
-    (`block_forward_work`), beside its input."""
+def norm_forward_work(cfg: LlamaConfig, b: BatchShape, itemsize: int) -> int:
+    """Temporaries of an RMSNorm run at every token: its float32 arithmetic beside its input and output. A block's
+    two norms, and under --pooling mean the final norm, after the blocks."""
     n, d = b.tokens, cfg.dim
     return 3 * FP32 * n * d + 2 * itemsize * n * d
 

@@ -36,8 +36,8 @@ from .activations import (
     backward_work,
     block_forward_work,
     block_saved,
-    final_norm_work,
     last_block_saved_bytes,
+    norm_forward_work,
     norm_saved_bytes,
     outside_blocks_saved_bytes,
     trained_forward_work,
@@ -157,6 +157,14 @@ class PlanInputs:
         pooled tokens only), all of them under `--pooling mean`."""
         k = self.trained_blocks
         return k if self.pooling == "mean" else max(k - 1, 0)
+
+    @property
+    def checkpointed_blocks(self) -> int:
+        """Full blocks recomputed in backward under --gradient-checkpointing: all of them, but under `--pooling mean`
+        not the top one, whose backward comes first (Llama.run_blocks)."""
+        if not self.gradient_checkpointing:
+            return 0
+        return max(self.full_blocks - (self.pooling == "mean"), 0)
 
     @property
     def layout(self) -> BatchShape:
@@ -386,7 +394,7 @@ def backward_peak(
     """
     last, kept_first, kept_per_block, first, rest = saved
     s, b = r.param_dtype.itemsize, r.layout
-    full, ckpt = r.full_blocks, r.gradient_checkpointing
+    full = r.full_blocks
     grads, block_grads, lora = s * counts.trainable, s * counts.block_trained, r.lora is not None
     work = backward_work(cfg, b, s, r.device_type, r.lora is not None)
     # Per block: its bytes kept until its turn, then its moments: (alive in it, its gradients made, temporaries).
@@ -400,7 +408,7 @@ def backward_peak(
     for i in range(full):
         bottom = i == full - 1
         kept, parts = (kept_first, first) if bottom else (kept_per_block, rest)
-        checkpointed = ckpt and not (i == 0 and r.pooling == "mean")  # the top block never is (Llama.run_blocks)
+        checkpointed = i >= full - r.checkpointed_blocks  # i counts from the top; it may be left whole
         kept = kept if checkpointed else parts.total
         recomputed_beside = kept if checkpointed else 0  # a checkpointed block's input stays through its backward
         input_grad = r.train_last is None or not bottom
@@ -454,8 +462,7 @@ def saved_activations(r: PlanInputs, cfg: LlamaConfig) -> tuple[int, tuple[int, 
     last = last_block_saved_bytes(cfg, b, s, last_grad, r.device_type, r.lora) if k > full else 0
     outside = outside_blocks_saved_bytes(cfg, b, s, k, r.num_classes, r.train_last is None, r.pooling)
     kept = [kept_first] + [kept_per_block] * (full - 1) if full else []  # each full block's, from the bottom
-    if r.gradient_checkpointing and r.pooling == "mean" and full:
-        # The top block is never checkpointed (Llama.run_blocks): under the mean it is a full one, kept whole.
+    if r.checkpointed_blocks < full and r.gradient_checkpointing:  # the top one, not recomputed, is kept whole
         kept[-1] = first.total if full == 1 else rest.total
     return sum(outside.values()) + last + sum(kept), (last, kept_first, kept_per_block, first, rest)
 
@@ -484,7 +491,7 @@ def plan_memory(r: PlanInputs) -> MemoryPlan:
     # A checkpointed block's forward runs like a frozen one: its internals are temporaries.
     fwd_work = frozen_work if r.gradient_checkpointing else trained_forward_work(cfg, b)
     if r.pooling == "mean":  # the final norm at every token, after the blocks: its float32 arithmetic
-        fwd_work = max(fwd_work, final_norm_work(cfg, b, s))
+        fwd_work = max(fwd_work, norm_forward_work(cfg, b, s))
     work = backward_work(cfg, b, s, r.device_type, r.lora is not None)
     held = held_gradients(r, s * whole.trainable, grads)
     gathered_forward, gathered_backward = gathered_bytes(r, whole)

@@ -101,15 +101,15 @@ def format_plan(plan: MemoryPlan, gpu: tuple[str, int] | None = None) -> str:
     row("gradients", plan.gradients, f"{c.trainable:,} x {s} B, {gradients_note(r, share)}")
     k, full = r.trained_blocks, r.full_blocks
     each = "inputs only" if r.gradient_checkpointing else f"{plan.block_activations / GiB:.2f} GiB each"
-    if full == k:  # --pooling mean: the head reads every token, so every trained block runs at every token
-        each += ", the top one whole" if r.gradient_checkpointing else ""  # never checkpointed (Llama.run_blocks)
+    if r.pooling == "mean":  # the head reads every token, so every trained block runs at every token
+        each += ", the top one whole" if r.checkpointed_blocks < full and r.gradient_checkpointing else ""
         what = f"{k} full block(s) ({each}), the final norm at every token (--pooling mean)"
     elif full:
         what = f"{full} full block(s) ({each}) + the last block ({plan.last_block_activations / GiB:.2f} GiB)"
     else:
         what = f"the last block, run at each row's last token ({plan.last_block_activations / GiB:.2f} GiB)"
     row("activations", plan.activations, f"saved for backward: {what if k else 'final norm and head'}")
-    if r.gradient_checkpointing and full - (r.pooling == "mean") > 0:  # a block that is checkpointed
+    if r.checkpointed_blocks:
         row("  + recomputed block", plan.block_activations, "one block's saved tensors, rebuilt during backward")
     if plan.frozen_forward:
         frozen = r.cfg.n_layers - r.trained_blocks
