@@ -37,13 +37,10 @@ from llama_scratch.data.batching import forward, length_sorted_batches, to_batch
 from llama_scratch.model.tokenizer import Tokenizer  # noqa: E402
 from llama_scratch.training import search as search_module  # noqa: E402
 from llama_scratch.training.baseline import (  # noqa: E402
-    PENALTIES,
     Vocabulary,
     accuracy,
     bag_of_words,
-    fit_logistic,
-    mean_loss,
-    predict,
+    fit_chosen_on_validation,
 )
 from llama_scratch.training.search import Candidate  # noqa: E402
 
@@ -93,14 +90,7 @@ def bow_log_probs(texts: dict, num_classes: int) -> dict:
     vocab = Vocabulary.fit(texts["train"][0])
     x = {k: vocab.features(t) for k, (t, _) in texts.items()}
     y = {k: torch.tensor(targets, dtype=torch.long) for k, (_, targets) in texts.items()}
-    best, fit = None, None
-    for c in PENALTIES:
-        fit = w, b = fit_logistic(x["train"], y["train"], c, num_classes, False, start=fit)
-        val = accuracy(predict(x["val"], w, b, False), y["val"], False)
-        key = (val, -mean_loss(x["val"], y["val"], w, b, False))
-        if best is None or key > best[0]:
-            best = (key, c, w, b)
-    _, c, w, b = best
+    c, w, b = fit_chosen_on_validation(x, y, num_classes, False)
     out = {"c": c}
     for k in ("val", "test"):
         logits = torch.sparse.mm(x[k], w) + b

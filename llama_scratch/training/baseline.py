@@ -137,6 +137,22 @@ def accuracy(predicted: torch.Tensor, y: torch.Tensor, multi_label: bool) -> flo
     return right.float().mean().item()
 
 
+def fit_chosen_on_validation(
+    x: dict[str, torch.Tensor], y: dict[str, torch.Tensor], num_classes: int, multi_label: bool
+) -> tuple[float, torch.Tensor, torch.Tensor]:
+    """The fit on x["train"] at each C of PENALTIES, and the one chosen by validation accuracy (of equals, the lower
+    validation loss): (C, weights, bias)."""
+    best, fit = None, None
+    for c in PENALTIES:  # from the strongest penalty to the weakest, each fit starting from the one before
+        fit = w, b = fit_logistic(x["train"], y["train"], c, num_classes, multi_label, start=fit)
+        val = accuracy(predict(x["val"], w, b, multi_label), y["val"], multi_label)
+        key = (val, -mean_loss(x["val"], y["val"], w, b, multi_label))
+        if best is None or key > best[0]:
+            best = (key, c, w, b)
+    _, c, w, b = best
+    return c, w, b
+
+
 def bag_of_words(splits: dict[str, tuple[list[str], list]], num_classes: int, multi_label: bool) -> dict:
     """Fit on splits["train"], choose C by validation accuracy (exact match under multi-label; of equals, the
     lower validation loss, as the run's own `--select-by` breaks ties: a small validation split ties often), and
@@ -147,14 +163,7 @@ def bag_of_words(splits: dict[str, tuple[list[str], list]], num_classes: int, mu
     y = {k: torch.tensor(targets, dtype=torch.long) for k, (_, targets) in splits.items()}
     if len(vocab.index) == 0 or (not multi_label and y["train"].unique().numel() < 2):
         return {}  # nothing to fit: no n-gram shared by two texts, or a single class
-    best, fit = None, None
-    for c in PENALTIES:  # from the strongest penalty to the weakest, each fit starting from the one before
-        fit = w, b = fit_logistic(x["train"], y["train"], c, num_classes, multi_label, start=fit)
-        val = accuracy(predict(x["val"], w, b, multi_label), y["val"], multi_label)
-        key = (val, -mean_loss(x["val"], y["val"], w, b, multi_label))
-        if best is None or key > best[0]:
-            best = (key, c, w, b)
-    _, c, w, b = best
+    c, w, b = fit_chosen_on_validation(x, y, num_classes, multi_label)
     figures = {f"{k}_accuracy": accuracy(predict(x[k], w, b, multi_label), y[k], multi_label) for k in splits}
     return {**figures, "c": c, "features": len(vocab.index)}
 
