@@ -23,7 +23,11 @@ text is its UTF-8 bytes, about 4x the tokens Llama-3's own tokenizer makes of it
    timed the same way: `peer_tokens_per_s`, `ratio_vs_peer` (ours over the peer's), `peer_peak_gib`, and the first
    step's loss on both sides (equal but for rounding). Kernel launches per step (`launches_per_step`, the profiler's
    device events in one step) on both sides.
-4. DIR/gpu_check.json (rewritten after each recipe, so a timeout still leaves what ran) and DIR/gpu_check.md (also
+4. An end-to-end row (`epochs` in RECIPES; run when named with --recipes, and always under --quick): the recipe
+   trained for whole epochs on --e2e-texts distinct texts (20,000 by default), timed from the frozen-prefix cache's
+   pass to the last step (`e2e_seconds`, no warm-up left out, no evaluation), against the peer timed over every
+   step of the same epochs (`peer_e2e_seconds`): its `ratio_vs_peer` is the end-to-end speed-up.
+5. DIR/gpu_check.json (rewritten after each recipe, so a timeout still leaves what ran) and DIR/gpu_check.md (also
    printed). A recipe that fails (out of memory, say) is reported with its error and the next one runs; the exit
    status is 1 only if none ran.
 """
@@ -87,6 +91,11 @@ class Recipe:
     shape: str
     flags: tuple[str, ...]
     batch_tokens: int | None = None  # --batch-tokens on a GPU (QUICK_BATCH_TOKENS under --quick); None: --batch-size
+    # Whole epochs end to end on --e2e-texts distinct texts (the cache and every step timed), not timed steps.
+    epochs: int | None = None
+    # In the run without --recipes on a GPU. An end-to-end row takes minutes there: run on its own (--recipes NAME).
+    # --quick runs every row.
+    default: bool = True
 
 
 RECIPES = [
@@ -97,7 +106,12 @@ RECIPES = [
     # LoRA in every block: no frozen prefix to cache, every step runs the whole model, at a budget of tokens.
     Recipe("8b-lora8-all-8k", "8b", ("--lora", "8", "--train-last", "all"), batch_tokens=8192),
     Recipe("small-all-8k", "small", ("--train-last", "all"), batch_tokens=8192),
+    # The default recipe end to end: three epochs of 20,000 texts, the frozen-prefix cache's one pass included,
+    # against the peer running the frozen blocks in every step of the three epochs.
+    Recipe("8b-last2-3epochs", "8b", ("--train-last", "2"), batch_tokens=8192, epochs=3, default=False),
 ]
+E2E_TEXTS = (20_000, 120)  # --e2e-texts' default (on a GPU, under --quick)
+E2E_HELD_OUT = (100, 20)  # validation and test texts each, beside them (on a GPU, under --quick)
 QUICK_BATCH_TOKENS = 512  # the tiny shapes' budget: a few texts a batch, as 8,192 tokens are dozens on a GPU
 PROFILE_STEPS = 3  # --profile: optimizer steps recorded by torch.profiler after the timed ones
 
@@ -136,6 +150,9 @@ RECIPE_KEYS = (
     "peer_tokens_per_s",
     "ratio_vs_peer",
     "peer_peak_gib",
+    "epochs",  # an end-to-end row's (null for a row of timed steps)
+    "e2e_seconds",  # ours end to end: the cache's pass and every step of the epochs
+    "peer_e2e_seconds",  # the peer's: every step of the epochs
 )
 
 STARTED = time.perf_counter()
@@ -310,11 +327,38 @@ def timed_steps(steps: Steps, first: int, last: int, device: torch.device) -> di
     }
 
 
+def e2e_data(args: argparse.Namespace, to: Path) -> list[str]:
+    """An end-to-end row's data as JSON lines in `to`: --e2e-texts training texts and a few held out; the flags
+    that read them. The bundled SMS messages, cycled, each after its own number, so that no two texts are alike:
+    the cache runs a repeated text once, which would flatter ours."""
+    from llama_scratch.data.labelled import load_sms_spam
+
+    sms, held_out = load_sms_spam(), E2E_HELD_OUT[args.quick]
+    to.mkdir(parents=True)
+    flags, first = [], 0
+    for name, count, flag in (
+        ("train", args.e2e_texts, "--data"),
+        ("val", held_out, "--val-data"),
+        ("test", held_out, "--test-data"),
+    ):
+        rows = []
+        for i in range(first, first + count):
+            k = i % len(sms.texts)
+            rows.append(json.dumps({"text": f"{i}: {sms.texts[k]}", "label": sms.label_names[sms.labels[k]]}))
+        (to / f"{name}.jsonl").write_text("\n".join(rows) + "\n", encoding="utf-8")
+        flags += [flag, str(to / f"{name}.jsonl")]
+        first += count
+    return flags
+
+
 def prepare(recipe: Recipe, ckpt: Path, args: argparse.Namespace, strategy: Strategy, work: Path):
     """finetune_classifier's phases up to the loop, by its own functions: data, model, tokens, cache, settings."""
-    total = total_steps(args)
     flags = ["--model", str(ckpt), "--device", args.device, "--batch-size", str(args.batch_size)]
-    flags += ["--epochs", "1", "--max-steps", str(total), "--save-every", str(10**9), "--output", str(work)]
+    if recipe.epochs is None:  # the bundled SMS data, stopped after the steps run_recipe times
+        flags += ["--epochs", "1", "--max-steps", str(total_steps(args))]
+    else:
+        flags += ["--epochs", str(recipe.epochs), *e2e_data(args, work / "e2e-data")]
+    flags += ["--save-every", str(10**9), "--output", str(work)]
     budget = args.batch_tokens or recipe.batch_tokens
     if budget is not None:
         flags += ["--batch-tokens", str(min(budget, QUICK_BATCH_TOKENS) if args.quick else budget)]
@@ -334,7 +378,8 @@ def prepare(recipe: Recipe, ckpt: Path, args: argparse.Namespace, strategy: Stra
         figures["load_peak_over_checkpoint"] = torch.cuda.max_memory_allocated(strategy.device) / ckpt_bytes
     splits, max_length = tokenize(parts, tokenizer, clf.backbone.cfg.max_seq_len, asked.data.max_length, log)
     lengths = [len(x) for x in splits["train"].ids]
-    check_enough_data(len(lengths), settings, strategy.processes, lengths)  # at least one step (Steps goes on)
+    # At least one step (Steps goes on into the next epochs); an end-to-end row runs the epochs' steps.
+    figures = figures | {"steps_per_epoch": check_enough_data(len(lengths), settings, strategy.processes, lengths)}
     start = time.perf_counter()
     cached = use_cache(asked.compute.cache_frozen, clf, {k: v.ids for k, v in splits.items()}, strategy, log)
     figures |= {"frozen_prefix_cache": cached, "cache_gib": None}
@@ -345,13 +390,16 @@ def prepare(recipe: Recipe, ckpt: Path, args: argparse.Namespace, strategy: Stra
     figures["cache_seconds"] = time.perf_counter() - start
     if asked.compute.compile:  # where the command compiles: after the cache, before the wrapper
         compile_token_wise(clf)
-    figures["max_length"] = max_length
+    figures |= {"max_length": max_length, "train_texts": len(lengths)}
     return job, clf, strategy.wrap(clf), splits["train"], settings, figures
 
 
-def peer_job(job: Job, clf, train, settings, rows: list, ckpt: Path, args: argparse.Namespace, to: Path) -> None:
+def peer_job(
+    job: Job, clf, train, settings, rows: list, ckpt: Path, args: argparse.Namespace, to: Path, whole: bool
+) -> None:
     """What peer_step.py needs to train as we do: the checkpoint, what trains, the head's starting weights, the
-    optimizer's settings and every step's micro-batches (token ids and labels)."""
+    optimizer's settings and every step's micro-batches (token ids and labels); `whole`: time every step from the
+    first (an end-to-end row), not the steps after the warm-up."""
     from safetensors.torch import save_file
 
     to.mkdir(parents=True, exist_ok=True)
@@ -387,6 +435,7 @@ def peer_job(job: Job, clf, train, settings, rows: list, ckpt: Path, args: argpa
         "weight_decay": settings.weight_decay,
         "clip_grad": settings.clip_grad if settings.clip_grad > 0 else float("inf"),
         "warmup": args.warmup,
+        "whole": whole,
         "steps": [
             [{"ids": [train.ids[i] for i in b], "labels": [train.labels[i] for i in b]} for b in step] for step in rows
         ],
@@ -423,7 +472,32 @@ def compare(ours: dict, peer: dict, device: torch.device) -> dict:
         f"{peer['peer_loss_first']:.4f} (ours {ours['loss_first']:.4f}), trained {peer['peer_trainable_params']:,} "
         f"(ours {ours['trainable_params']:,})"
     )
-    return peer | {"ratio_vs_peer": ratio, "same_first_loss": same_start, "same_trained_params": same_params}
+    out = peer | {"ratio_vs_peer": ratio, "same_first_loss": same_start, "same_trained_params": same_params}
+    if ours.get("epochs"):  # the same tokens on both sides: the ratio is the peer's seconds over ours
+        out["peer_e2e_seconds"] = peer["peer_seconds"]
+    return out
+
+
+def warm_then_timed(steps: Steps, args: argparse.Namespace, device: torch.device) -> dict:
+    """A row of timed steps: the first step's loss, the warm-up (its last step profiled for the attention kernel
+    and the launches), then --steps timed; --profile's steps after them."""
+    loss_first = steps.to(1)  # also allocates the optimizer's state
+    steps.to(args.warmup - 1)
+    attention = attention_backends(lambda: steps.to(args.warmup), device)  # the last warm-up step, profiled
+    steps.to(args.warmup)  # nothing, unless the profiler failed before the step ran
+    timed = timed_steps(steps, args.warmup, args.warmup + args.steps, device)
+    return timed | {"loss_first": loss_first, "attention": attention}
+
+
+def whole_epochs(steps: Steps, total: int, device: torch.device) -> dict:
+    """An end-to-end row: every step timed from the first (its allocations and first kernels are part of a run),
+    then one step more, after the clock and its tokens, profiled for the attention kernel and the launches."""
+    sync(device)
+    start = time.perf_counter()
+    loss_first = steps.to(1)
+    rest = timed_steps(steps, 1, total, device) if total > 1 else {"loss_last": loss_first, "syncs_per_step": None}
+    out = rest | {"seconds": time.perf_counter() - start, "tokens": steps.state.train_tokens, "loss_first": loss_first}
+    return out | {"attention": attention_backends(lambda: steps.to(total + 1), device)}
 
 
 def run_recipe(
@@ -431,47 +505,53 @@ def run_recipe(
 ) -> dict:
     """One recipe, start to end; its figures (see RECIPE_KEYS). Raises on failure: the caller reports it. With
     the peer asked for, its job is written to `peer_dir` (peer_job) before our steps change the head."""
-    device = strategy.device
+    device, whole = strategy.device, recipe.epochs is not None
     with tempfile.TemporaryDirectory(prefix="gpu-check-run-") as work:
         job, clf, model, train, settings, out = prepare(recipe, ckpt, args, strategy, Path(work))
-        rows = planned_steps(train, settings, strategy, total_steps(args))
+        total = recipe.epochs * out["steps_per_epoch"] if whole else total_steps(args)
+        rows = planned_steps(train, settings, strategy, total)
         plan = steps_plan(job, train, rows)
         out |= {"plan_peak_gib": plan.peak / GiB, "trainable_params": plan.counts.trainable}
         if args.peer:
-            peer_job(job, clf, train, settings, rows[: args.warmup + args.steps], ckpt, args, peer_dir)
+            given = rows if whole else rows[: args.warmup + args.steps]
+            peer_job(job, clf, train, settings, given, ckpt, args, peer_dir, whole)
         free(device)  # the steps' peak is measured from here: weights, cache and whatever training adds
-        steps = Steps(model, train, settings, strategy, total_steps(args), Path(work))
-        out["loss_first"] = steps.to(1)  # also allocates the optimizer's state
-        steps.to(args.warmup - 1)
-        attention = attention_backends(lambda: steps.to(args.warmup), device)  # the last warm-up step, profiled
-        steps.to(args.warmup)  # nothing, unless the profiler failed before the step ran
-        out |= {"sdpa_backend": attention["backend"], "sdpa": attention, "launches_per_step": attention["launches"]}
-        timed = timed_steps(steps, args.warmup, args.warmup + args.steps, device)
+        steps = Steps(model, train, settings, strategy, total, Path(work))
+        timed = whole_epochs(steps, total, device) if whole else warm_then_timed(steps, args, device)
         if args.profile:
-            profile_steps(steps, args.warmup + args.steps, device, args.out / f"profile_{recipe.name}.txt")
+            profile_steps(steps, steps.state.step, device, args.out / f"profile_{recipe.name}.txt")
+    attention = timed["attention"]
+    out |= {"sdpa_backend": attention["backend"], "sdpa": attention, "launches_per_step": attention["launches"]}
     on_gpu = device.type == "cuda"
     out["measured_peak_gib"] = torch.cuda.max_memory_allocated(device) / GiB if on_gpu else None
     # The plan leaves the cache out (--plan reports it per token of the data): added to it here.
     planned = out["plan_peak_gib"] + (out["cache_gib"] or 0)
     out["peak_over_plan_and_cache"] = out["measured_peak_gib"] / planned if on_gpu else None
-    lengths = [len(train.ids[i]) for step in rows[args.warmup : args.warmup + args.steps] for b in step for i in b]
+    timed_rows = rows if whole else rows[args.warmup : args.warmup + args.steps]
+    lengths = [len(train.ids[i]) for step in timed_rows for b in step for i in b]
     choice, cached = job.choice, out["frozen_prefix_cache"]
-    flops = step_flops(clf.backbone.cfg, choice.train_last, cached, choice.lora is not None, lengths)
-    tflops = flops / timed["seconds"] / 1e12
+    if whole:  # the cache's pass and the training steps together: no one model's FLOPs, so no MFU
+        seconds, tflops = out["cache_seconds"] + timed["seconds"], None
+        out |= {"epochs": recipe.epochs, "e2e_seconds": seconds}
+    else:
+        seconds = timed["seconds"]
+        flops = step_flops(clf.backbone.cfg, choice.train_last, cached, choice.lora is not None, lengths)
+        tflops = flops / seconds / 1e12
     out |= {
         "dtype": str(choice.dtype).removeprefix("torch."),
         "train_last": choice.train_last,
         "lora_rank": choice.lora.rank if choice.lora else None,
         "batch_size": settings.batch_size,
         "batch_tokens": settings.batch_tokens,
-        "rows_per_step": len(lengths) / args.steps,
+        "rows_per_step": len(lengths) / len(timed_rows),
         "optimizer_state": settings.optimizer_state,
-        "timed_steps": args.steps,
+        "timed_steps": len(timed_rows),
         "timed_seconds": timed["seconds"],
-        "train_tokens_per_s": timed["tokens"] / timed["seconds"],
+        "train_tokens_per_s": timed["tokens"] / seconds,
         "model_tflops": tflops,
-        "mfu": tflops / peak if peak else None,
+        "mfu": tflops / peak if peak and tflops is not None else None,
         "syncs_per_step": timed["syncs_per_step"],
+        "loss_first": timed["loss_first"],
         "loss_last": timed["loss_last"],
     }
     return out
@@ -500,10 +580,17 @@ def markdown(result: dict) -> str:
         "| --- | ---: | --- | ---: | ---: | ---: | ---: | ---: | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: "
         "| ---: | ---: |",
     ]
+    whole = []
     for r in result["recipes"]:
         if r["error"]:
             lines.append(f"| {r['name']} | {r['error']} |" + " |" * 16)
             continue
+        if r.get("epochs"):
+            whole.append(
+                f"{r['name']}: {r['epochs']} epochs of {r['train_texts']:,} texts end to end: ours "
+                f"{r['e2e_seconds']:.1f} s (the cache's pass {r['cache_seconds']:.1f} s), the peer "
+                f"{fmt(r.get('peer_e2e_seconds'), '.1f')} s: ours {fmt(r.get('ratio_vs_peer'))}x as fast"
+            )
         batch = f"{r['batch_tokens']:,} tokens" if r.get("batch_tokens") else str(r["batch_size"])
         peer = r.get("peer_error") or fmt(r.get("peer_tokens_per_s"), ",.0f")
         lines.append(
@@ -515,7 +602,7 @@ def markdown(result: dict) -> str:
             f"{fmt(r.get('ratio_vs_peer'), '.2f')} | {fmt(r.get('peer_loss_first'), '.4f')} | "
             f"{fmt(r.get('peer_peak_gib'))} |"
         )
-    return "\n".join(lines)
+    return "\n".join(lines + [""] * bool(whole) + whole)
 
 
 def summary(recipes: list[dict]) -> dict:
@@ -568,8 +655,18 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         default="",
         help="more finetune flags for every recipe, one string: --flags=--compile (default: none)",
     )
+    p.add_argument(
+        "--e2e-texts",
+        type=int,
+        metavar="N",
+        help=f"training texts of an end-to-end row (default: {E2E_TEXTS[0]:,}; {E2E_TEXTS[1]} with --quick)",
+    )
     p.add_argument("--no-peer", dest="peer", action="store_false", help="skip transformers + PEFT beside each recipe")
-    p.add_argument("--peer-timeout", type=float, default=300, help="seconds the peer may take a recipe (default: 300)")
+    p.add_argument(
+        "--peer-timeout",
+        type=float,
+        help="seconds the peer may take a recipe (default: 300; 900 for an end-to-end row)",
+    )
     p.add_argument("--peak-tflops", type=float, help="the device's dense bf16 peak, if gpu_8b's table lacks it")
     p.add_argument(
         "--no-cudnn-attention",
@@ -580,8 +677,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     if args.warmup < 2:
         p.error("--warmup must be at least 2: the first step allocates the optimizer's state, the last is profiled")
     args.steps = args.steps or (3 if args.quick else 20)
-    if args.steps < 1 or args.batch_size < 1:
-        p.error("--steps and --batch-size must be positive")
+    args.e2e_texts = args.e2e_texts or E2E_TEXTS[args.quick]
+    if args.steps < 1 or args.batch_size < 1 or args.e2e_texts < 1:
+        p.error("--steps, --batch-size and --e2e-texts must be positive")
     return args
 
 
@@ -633,6 +731,13 @@ def main(argv: list[str] | None = None) -> int:
         sys.stderr = stderr
 
 
+def chosen_recipes(args: argparse.Namespace) -> list[Recipe]:
+    """The rows named by --recipes, in RECIPES' order; without it the default rows, or every row under --quick."""
+    if args.recipes:
+        return [r for r in RECIPES if r.name in args.recipes]
+    return [r for r in RECIPES if r.default or args.quick]
+
+
 def check(args: argparse.Namespace, argv: list[str] | None) -> int:
     """The load, then each recipe in turn; 0 if any recipe ran."""
     args.out.mkdir(parents=True, exist_ok=True)
@@ -640,7 +745,7 @@ def check(args: argparse.Namespace, argv: list[str] | None) -> int:
     device = strategy.device
     if device.type != "cuda" and not args.quick:
         raise SystemExit(f"gpu_check: {device} has no GPU: pass --quick for the tiny shapes (8B would take hours)")
-    recipes = [r for r in RECIPES if not args.recipes or r.name in args.recipes]
+    recipes = chosen_recipes(args)
     shapes = {r.shape: SHAPES[r.shape][1 if args.quick else 0] for r in recipes}
     result |= {"load_peak_ratio": None, "load_seconds": None, "load_checkpoint_gib": None, "recipes": []}
     write_json(result, args.out)
@@ -665,7 +770,8 @@ def check(args: argparse.Namespace, argv: list[str] | None) -> int:
         free(device)  # all ours given back before the peer's process starts
         if args.peer and entry["error"] is None:
             log(f"recipe {recipe.name}: the peer (transformers + PEFT) in its own process ...")
-            entry |= compare(entry, run_peer(peer_dir, args.peer_timeout), device)
+            timeout = args.peer_timeout or (900 if recipe.epochs else 300)
+            entry |= compare(entry, run_peer(peer_dir, timeout), device)
         shutil.rmtree(peer_dir, ignore_errors=True)
         result["recipes"].append(entry)
         write_json(result, args.out)

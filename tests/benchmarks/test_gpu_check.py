@@ -50,7 +50,8 @@ def test_quick_cpu_mode_reports_every_recipe(tmp_path):
         assert recipe["ratio_vs_peer"] == pytest.approx(recipe["train_tokens_per_s"] / recipe["peer_tokens_per_s"])
         assert recipe["same_trained_params"], (recipe["trainable_params"], recipe["peer_trainable_params"])
         assert recipe["same_first_loss"] == ("--quantize" not in recipe["flags"]), recipe["name"]
-        assert recipe["batch_tokens"] == (gpu_check.QUICK_BATCH_TOKENS if recipe["name"].endswith("-8k") else None)
+        budget = {r.name: r.batch_tokens for r in gpu_check.RECIPES}[recipe["name"]]
+        assert recipe["batch_tokens"] == (gpu_check.QUICK_BATCH_TOKENS if budget else None)
     cached = {r["name"]: r["frozen_prefix_cache"] for r in result["recipes"]}
     assert cached == {
         "8b-last2": True,
@@ -59,10 +60,31 @@ def test_quick_cpu_mode_reports_every_recipe(tmp_path):
         "8b-nf4-lora8": True,
         "8b-lora8-all-8k": False,
         "small-all-8k": False,
+        "8b-last2-3epochs": True,
     }  # the real path's cache, where it applies
+    # The end-to-end row: three whole epochs of the --quick texts, ours timed from the cache's pass, the peer over
+    # the same steps and tokens, so the ratio is the peer's seconds over ours.
+    whole = next(r for r in result["recipes"] if r["name"] == "8b-last2-3epochs")
+    assert whole["epochs"] == 3 and whole["train_texts"] == gpu_check.E2E_TEXTS[1]
+    assert whole["timed_steps"] == 3 * whole["steps_per_epoch"] and whole["mfu"] is None
+    assert whole["e2e_seconds"] == pytest.approx(whole["cache_seconds"] + whole["timed_seconds"])
+    assert whole["peer_tokens"] == pytest.approx(whole["train_tokens_per_s"] * whole["e2e_seconds"])
+    assert whole["ratio_vs_peer"] == pytest.approx(whole["peer_e2e_seconds"] / whole["e2e_seconds"])
+    assert all(r["epochs"] is r["e2e_seconds"] is None for r in result["recipes"] if r is not whole)
     assert set(result["summary"]["ran"]) == set(cached) and not result["summary"]["failed"]
     table = (out / "gpu_check.md").read_text()
     assert table in proc.stdout and all(f"| {name} |" in table for name in cached)
+    assert "8b-last2-3epochs: 3 epochs of 120 texts end to end" in table
+
+
+def test_the_end_to_end_row_runs_only_when_named_on_a_gpu():
+    """The default run on a GPU leaves the end-to-end row out (minutes there); --quick and --recipes NAME run it."""
+    names = lambda *argv: [r.name for r in gpu_check.chosen_recipes(gpu_check.parse_args(list(argv)))]  # noqa: E731
+    every = [r.name for r in gpu_check.RECIPES]
+    assert names() == [n for n in every if n != "8b-last2-3epochs"]
+    assert names("--quick") == every
+    assert names("--recipes", "8b-last2-3epochs", "8b-last2") == ["8b-last2", "8b-last2-3epochs"]
+    assert gpu_check.parse_args([]).e2e_texts == 20_000 and gpu_check.parse_args(["--quick"]).e2e_texts == 120
 
 
 def test_step_flops_is_model_flops_text_by_text():
