@@ -9,6 +9,7 @@ import sys
 
 import pytest
 import torch
+from safetensors.torch import load_file
 
 from llama_scratch import Llama, LlamaConfig, classify, finetune_classifier
 from llama_scratch.checkpoints.weights import save_checkpoint
@@ -350,6 +351,37 @@ def test_compile_flag_compiles_the_token_wise_modules():
     for block in clf.backbone.blocks:
         assert all(m._compiled_call_impl is not None for m in (block.ffn, block.attention_norm, block.ffn_norm))
         assert block.attention._compiled_call_impl is None
+
+
+@pytest.mark.slow
+def test_a_compiled_run_trains_the_weights_an_eager_run_trains(small_csv, tmp_path, monkeypatch):
+    """`--compile` end to end as a user types it: two epochs of the last 2 blocks, then the same trained weights and
+    figures as the run without it. The compiled graphs (dynamo's capture of each feed-forward and norm, with
+    dynamic shapes, and autograd's traced backward) run under aot_eager, PyTorch's own kernels: no C++ compiler,
+    and seconds where inductor takes a minute here. Their decompositions may round otherwise than the eager
+    modules, so the weights are held to the bound two runs that differ only in the order of float32 sums are held
+    to (assert_rounding_apart: 99.9% within steps x lr x sqrt(eps), none beyond 2 x steps x lr)."""
+    from torch._dynamo.utils import counters
+
+    from tests.parallel.test_sharding import assert_rounding_apart
+
+    real = torch.nn.Module.compile
+    monkeypatch.setattr(torch.nn.Module, "compile", lambda self, **kw: real(self, **kw, backend="aot_eager"))
+    torch._dynamo.reset()
+    counters.clear()
+    weights, metrics = {}, {}
+    for name, extra in (("eager", []), ("compiled", ["--compile"])):
+        out = tmp_path / name
+        assert finetune_classifier.main(args_for(small_csv, out, "--batch-size", "8", *extra)) == 0
+        weights[name] = load_file(out / "classifier.safetensors")
+        metrics[name] = json.loads((out / "metrics.json").read_text())
+        graphs = counters["stats"]["unique_graphs"]
+        assert (graphs > 0) == (name == "compiled"), (name, graphs)  # the compiled run did run compiled modules
+    a, b = metrics["eager"], metrics["compiled"]
+    assert_rounding_apart(weights["eager"], weights["compiled"], a["steps"], lr=1e-3)
+    for key in ("steps", "train_accuracy", "val_accuracy", "test_accuracy", "test_confusion"):
+        assert a[key] == b[key], key
+    assert a["test_loss"] == pytest.approx(b["test_loss"], abs=1e-5)
 
 
 @pytest.mark.slow
