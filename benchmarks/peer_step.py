@@ -4,7 +4,8 @@ own, timed the same way.
 
     python benchmarks/peer_step.py JOB_DIR      # JOB_DIR/job.json and head.safetensors, written by gpu_check.py
 
-What is the same on both sides, so that tokens per second compare the training steps alone:
+What is the same on both sides, so that tokens per second compare the training steps alone (on an end-to-end
+row, ours' clock adds the frozen-prefix cache's pass, the price of the frozen blocks the peer runs every step):
 - the checkpoint (gpu_check's random one, Hugging Face layout) and the classification head's starting weights
   (ours, copied into `score`): the first step's loss must come out equal;
 - every micro-batch's rows (ours packed, the peer's right-padded to the batch's longest: texts grouped by length
@@ -157,6 +158,8 @@ def main(directory: Path) -> dict:
     losses = [step(model, params, optimizer, s, job, device) for s in steps[warmup:]]
     sync(device)
     seconds = time.perf_counter() - start
+    if not warmup:  # one step more, after the clock, for its launches (as ours)
+        launched = launches(lambda: step(model, params, optimizer, steps[0], job, device), device)
     if not warmup:
         loss_first = losses[0]
     loss_last = losses[-1]
@@ -167,6 +170,7 @@ def main(directory: Path) -> dict:
     return {
         "peer_tokens_per_s": tokens / seconds,
         "peer_seconds": seconds,
+        "peer_steps": len(losses),
         "peer_tokens": tokens,
         "peer_loss_first": loss_first,
         "peer_loss_last": loss_last,
